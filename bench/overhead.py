@@ -1,0 +1,168 @@
+"""What the gateway adds on top of a backend, measured side by side in one run.
+
+Targets, all against the same very fast fake backend (bench/fake_backend.py):
+  direct            the backend itself: the limit
+  gateway           auth, path/body/media policy, balancer, aiohttp transport (the default)
+  gateway[httpx]    the same with httpx's own connection pool, for comparison
+  lmdeploy-proxy    `lmdeploy serve proxy`, when lmdeploy is installed
+
+Load comes from wrk (Debian package `wrk`), at concurrency 1 and 32, non-streaming and streaming.
+
+    python bench/overhead.py [--duration 5] [--targets direct,gateway,gateway[httpx]]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import orjson
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "bench-model"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, timeout: float = 30.0, headers: dict[str, str] | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, headers=headers, timeout=1).status_code < 500:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(url)
+
+
+@contextlib.contextmanager
+def process(argv: list[str], **kw):
+    proc = subprocess.Popen(argv, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **kw)
+    try:
+        yield proc
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+
+
+def wrk(url: str, concurrency: int, duration: float, body: bytes, key: str | None) -> dict[str, float]:
+    lua = ['wrk.method = "POST"', 'wrk.headers["Content-Type"] = "application/json"', f"wrk.body = [[{body.decode()}]]"]
+    if key:
+        lua.append(f'wrk.headers["Authorization"] = "Bearer {key}"')
+    lua.append(
+        "done = function(summary, latency, requests)\n"
+        '  io.write(string.format("RESULT %d %d %d %f %f %f\\n", summary.requests, summary.errors.status + summary.errors.connect + summary.errors.read + summary.errors.write + summary.errors.timeout, summary.duration, latency:percentile(50), latency:percentile(99), latency.mean))\n'
+        "end"
+    )
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
+        f.write("\n".join(lua))
+        script = f.name
+    try:
+        threads = 1 if concurrency == 1 else 2
+        out = subprocess.run(
+            ["wrk", f"-t{threads}", f"-c{concurrency}", f"-d{duration}s", "--timeout", "10s", "-s", script, url],
+            capture_output=True, text=True, timeout=duration + 60,
+        ).stdout
+    finally:
+        os.unlink(script)
+    m = re.search(r"RESULT (\d+) (\d+) (\d+) ([\d.]+) ([\d.]+) ([\d.]+)", out)
+    if not m:
+        raise RuntimeError(f"wrk printed no result:\n{out}")
+    n, errors, dur_us, p50, p99, mean = m.groups()
+    return {"rps": int(n) / (int(dur_us) / 1e6), "errors": int(errors), "p50_ms": float(p50) / 1000, "p99_ms": float(p99) / 1000}
+
+
+def gateway_config(path: Path, backend_port: int, key_hash: str, transport: str) -> None:
+    cfg = {
+        "server": {"log_level": "warning"},
+        "auth": {"keys": [{"name": "bench", "hash": key_hash}]},
+        "backends": [{"url": f"http://127.0.0.1:{backend_port}", "models": [MODEL]}],
+        "upstream": {"transport": transport},
+        "media": {"allowed_domains": ["images.example.com"]},
+        "health": {"interval": 5},
+    }
+    path.write_text(orjson.dumps(cfg).decode())  # JSON is YAML
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--duration", type=float, default=5.0, help="seconds per measurement")
+    ap.add_argument("--targets", default="direct,gateway,gateway[httpx],lmdeploy-proxy")
+    ap.add_argument("--concurrency", default="1,32")
+    args = ap.parse_args()
+    if shutil.which("wrk") is None:
+        sys.exit("wrk is not installed (apt-get install wrk)")
+    sys.path.insert(0, str(ROOT))
+    from gateway.filters.auth import hash_key, new_key
+
+    key = new_key()
+    targets = args.targets.split(",")
+    levels = [int(c) for c in args.concurrency.split(",")]
+    body = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Say hello in one short sentence."}], "max_tokens": 16})
+    stream_body = orjson.dumps(orjson.loads(body) | {"stream": True})
+    rows: list[tuple[str, str, int, dict[str, float]]] = []
+    tmp = Path(tempfile.mkdtemp(prefix="gw-bench-"))
+    backend_port = free_port()
+    with process([sys.executable, "bench/fake_backend.py", "--port", str(backend_port), "--model", MODEL]):
+        wait_http(f"http://127.0.0.1:{backend_port}/health")
+        for target in targets:
+            stack = contextlib.ExitStack()
+            with stack:
+                if target == "direct":
+                    url, k = f"http://127.0.0.1:{backend_port}/v1/chat/completions", None
+                elif target.startswith("gateway"):
+                    transport = "httpx" if target == "gateway[httpx]" else "aiohttp"
+                    port = free_port()
+                    cfg = tmp / f"{transport}.yaml"
+                    gateway_config(cfg, backend_port, hash_key(key), transport)
+                    stack.enter_context(process([sys.executable, "-m", "gateway", "serve", "--config", str(cfg), "--port", str(port)]))
+                    wait_http(f"http://127.0.0.1:{port}/ready")
+                    url, k = f"http://127.0.0.1:{port}/v1/chat/completions", key
+                elif target == "lmdeploy-proxy":
+                    if shutil.which("lmdeploy") is None:
+                        print("lmdeploy-proxy: skipped (lmdeploy is not installed here)")
+                        continue
+                    port = free_port()
+                    stack.enter_context(process(["lmdeploy", "serve", "proxy", "--server-name", "127.0.0.1", "--server-port", str(port), "--routing-strategy", "min_expected_latency"]))
+                    wait_http(f"http://127.0.0.1:{port}/v1/models")
+                    httpx.post(f"http://127.0.0.1:{port}/nodes/add", json={"url": f"http://127.0.0.1:{backend_port}", "status": {"models": [MODEL], "role": 1}})
+                    url, k = f"http://127.0.0.1:{port}/v1/chat/completions", None
+                else:
+                    sys.exit(f"unknown target {target}")
+                for mode, b in (("json", body), ("stream", stream_body)):
+                    for c in levels:
+                        wrk(url, c, 1.0, b, k)  # warm-up: connections, caches
+                        r = wrk(url, c, args.duration, b, k)
+                        rows.append((target, mode, c, r))
+                        print(f"  {target:16} {mode:6} c={c:<3} {r['rps']:9.0f} req/s  p50 {r['p50_ms']:.3f} ms  p99 {r['p99_ms']:.3f} ms  errors {r['errors']}", flush=True)
+    base = {(m, c): r for t, m, c, r in rows if t == "direct"}
+    print(f"\n{'target':16} {'mode':6} {'conc':>4} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10} {'errors':>6}")
+    for t, m, c, r in rows:
+        added = r["p50_ms"] - base[(m, c)]["p50_ms"] if (m, c) in base else float("nan")
+        print(f"{t:16} {m:6} {c:>4} {r['rps']:9.0f} {r['p50_ms']:8.3f} {r['p99_ms']:8.3f} {added:10.3f} {r['errors']:6d}")
+    print(f"\n{os.cpu_count()} CPU cores; load generator, backend and gateway share them.")
+
+
+if __name__ == "__main__":
+    main()

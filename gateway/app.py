@@ -1,0 +1,126 @@
+"""Wiring: build every part of the gateway from a validated config, and run its lifecycle.
+
+``Gateway`` owns the long-lived objects (pool, balancer, upstream client, launcher, filters);
+``Gateway.asgi()`` is the ASGI app. Start-up starts health checks and launched backends;
+shut-down (after uvicorn has drained in-flight requests) stops them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from prometheus_client import generate_latest
+
+from . import metrics
+from .config import GatewayConfig
+from .filters import RequestContext
+from .filters.auth import ApiKeyAuth
+from .filters.body import BodyPolicy
+from .filters.paths import PathPolicy
+from .listener import Listener, Send, send_json
+from .routing.balancer import make_balancer
+from .routing.pool import Backend, BackendPool
+from .routing.router import Router
+from .upstream import Upstream, make_client
+
+log = logging.getLogger("gateway")
+
+
+def _media_policy(config: GatewayConfig) -> Any:
+    try:
+        from .filters.media import MediaPolicy
+    except ImportError:  # pragma: no cover - only while the media filter is being built
+        return None
+    return MediaPolicy(config.media)
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig):
+        self.config = config
+        self.pool = BackendPool(config.health)
+        self.balancer = make_balancer(config.balancer.policy)
+        self.paths = PathPolicy()
+        self.auth = ApiKeyAuth(config.auth)
+        self.body = BodyPolicy(config.limits)
+        self.media = _media_policy(config)
+        self.upstream: Upstream | None = None
+        self.router: Router = None  # type: ignore[assignment]  # built in startup, needs a loop
+        self.launcher: Any = None
+        self.extra_tasks: list[Any] = []
+        for i, b in enumerate(config.backends):
+            self.pool.add(
+                Backend(
+                    id=b.name or f"remote-{i}",
+                    url=b.url,
+                    api_key=b.api_key,
+                    models=frozenset(b.models or ()),
+                    static_models=b.models is not None,
+                    origin="static",
+                )
+            )
+        self._listener: Listener | None = None
+
+    def asgi(self) -> Listener:
+        if self._listener is None:
+            self.router = Router(self.pool, self.balancer, None, retries=self.config.balancer.retries)  # type: ignore[arg-type]
+            self._listener = Listener(self)
+        return self._listener
+
+    async def startup(self) -> None:
+        if self.config.auth.disabled:
+            log.warning("AUTHENTICATION IS DISABLED (auth.disabled: true): anyone who can reach this port can use every backend")
+        client = make_client(self.config.timeouts, self.config.upstream.max_connections, self.config.upstream.transport)
+        self.upstream = Upstream(client, self.config.timeouts)
+        self.router.upstream = self.upstream
+        self.pool.start(client)
+        if self.config.launch:
+            from .launcher import Launcher  # imported lazily: a gateway with only remote backends needs none of it
+
+            self.launcher = Launcher(self.config.launch, self.pool)
+            await self.launcher.start()
+        await self.pool.check_all()
+        log.info("gateway started: %d backend(s) configured, %d healthy", len(self.pool), sum(1 for b in self.pool if b.healthy))
+
+    async def shutdown(self) -> None:
+        if self.launcher is not None:
+            await self.launcher.stop(grace=10.0)
+        await self.pool.stop()
+        if self.upstream is not None:
+            await self.upstream.aclose()
+
+    # -- routes answered by the gateway itself ----------------------------------------------------
+    async def answer_local(self, ctx: RequestContext, send: Send) -> None:
+        kind = ctx.route.kind
+        if kind == "health":
+            await send_json(send, 200, {"status": "ok"})
+        elif kind == "ready":
+            healthy = sum(1 for b in self.pool if b.available(_now()))
+            status = {"status": "ready" if healthy else "not_ready", "healthy_backends": healthy, "backends": len(self.pool)}
+            if self.launcher is not None:
+                status["failed_instances"] = self.launcher.failed_count()
+            await send_json(send, 200 if healthy else 503, status)
+        elif kind == "models":
+            models = sorted(m for m in self.pool.healthy_models() if ctx.key is None or ctx.key.models is None or m in ctx.key.models)
+            await send_json(
+                send,
+                200,
+                {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "lmdeploy-gateway"} for m in models]},
+            )
+        elif kind == "metrics":
+            for b in self.pool:
+                metrics.IN_FLIGHT.labels(backend=b.id).set(b.in_flight)
+                metrics.BACKEND_HEALTHY.labels(backend=b.id).set(1 if b.available(_now()) else 0)
+            if self.launcher is not None and hasattr(self.launcher, "update_metrics"):
+                self.launcher.update_metrics()
+            body = generate_latest(metrics.REGISTRY)
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain; version=0.0.4")]})
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+_now = time.monotonic
+
+
+def build_app(config: GatewayConfig) -> Listener:
+    return Gateway(config).asgi()

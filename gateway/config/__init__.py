@@ -1,0 +1,123 @@
+"""The gateway's configuration: typed, frozen dataclasses built by one loader.
+
+``load_config(path)`` reads YAML, expands ``${VAR}`` references, validates every section and
+raises ``ConfigError`` with *all* problems at once. ``gateway check-config`` and ``gateway serve``
+both call it, so an offline check is exactly the start-up check.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .balancer import BalancerConfig, read_balancer
+from .core import (
+    ApiKeyConfig,
+    AuthConfig,
+    BackendConfig,
+    HealthConfig,
+    LimitsConfig,
+    ServerConfig,
+    TimeoutsConfig,
+    UpstreamConfig,
+    read_auth,
+    read_backends,
+    read_health,
+    read_limits,
+    read_server,
+    read_timeouts,
+    read_upstream,
+)
+from .fields import ConfigError, Problems, Section, expand_env
+from .launch import LaunchGroup, read_launch
+from .media import MediaConfig, read_media
+
+__all__ = [
+    "ApiKeyConfig",
+    "AuthConfig",
+    "BackendConfig",
+    "BalancerConfig",
+    "ConfigError",
+    "GatewayConfig",
+    "HealthConfig",
+    "LaunchGroup",
+    "LimitsConfig",
+    "MediaConfig",
+    "ServerConfig",
+    "TimeoutsConfig",
+    "UpstreamConfig",
+    "load_config",
+    "parse_config",
+]
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    backends: tuple[BackendConfig, ...] = ()
+    launch: tuple[LaunchGroup, ...] = ()
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
+    upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
+    balancer: BalancerConfig = field(default_factory=BalancerConfig)
+    media: MediaConfig = field(default_factory=MediaConfig)
+    source: str = "<memory>"
+
+
+def parse_config(data: Any, *, base_dir: Path | None = None, env: dict[str, str] | None = None, source: str = "<memory>") -> GatewayConfig:
+    """Validate an already-loaded YAML tree; raise ConfigError listing every problem."""
+    problems = Problems()
+    data = expand_env(data, problems, "", env)
+    root = Section(data, "", problems)
+    base_dir = base_dir or Path.cwd()
+    server = read_server(root.section("server"))
+    auth = read_auth(root.section("auth"), base_dir)
+    backends = read_backends(root)
+    launch = read_launch(root)
+    limits = read_limits(root.section("limits"))
+    timeouts = read_timeouts(root.section("timeouts"))
+    health = read_health(root.section("health"))
+    upstream = read_upstream(root.section("upstream"))
+    balancer = read_balancer(root.section("balancer"))
+    media = read_media(root.section("media"), auth)
+    root.finish()
+    if server is not None and not backends and not launch and not problems:
+        problems.add("backends", "no backends: configure `backends` (URLs) or `launch` (instances to start)")
+    problems.raise_if_any()
+    return GatewayConfig(
+        server=server,
+        auth=auth,
+        backends=backends,
+        launch=launch,
+        limits=limits,
+        timeouts=timeouts,
+        health=health,
+        upstream=upstream,
+        balancer=balancer,
+        media=media,
+        source=source,
+    )
+
+
+def load_config(path: str | os.PathLike[str], env: dict[str, str] | None = None) -> GatewayConfig:
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError([f"{p}: file not found"]) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError([f"{p}: cannot read ({exc.__class__.__name__}: {exc})"]) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or "invalid YAML"
+        raise ConfigError([f"{p}: invalid YAML{where}: {problem}"]) from None
+    return parse_config(data, base_dir=p.resolve().parent, env=env, source=str(p))

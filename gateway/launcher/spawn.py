@@ -1,0 +1,202 @@
+"""What to run for each instance: the engine choice, the device sets, the exact argv and environment.
+
+Everything here is pure or probes the machine read-only, so the argv and environment built for
+any config can be tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+from ..config.launch import QUANT_NAMES, VISIBLE_DEVICES_ENV, LaunchGroup
+
+LOOPBACK = "127.0.0.1"
+
+
+class LaunchError(Exception):
+    """The machine cannot run a launch group as configured (no lmdeploy, too few devices...)."""
+
+
+# -- probing the machine ----------------------------------------------------------------------------
+DeviceProbe = Callable[[str], "tuple[tuple[str, ...] | None, str]"]
+LmdeployProbe = Callable[[], "tuple[tuple[str, ...] | None, str]"]
+
+
+def probe_devices(device: str, env: Mapping[str, str] | None = None) -> tuple[tuple[str, ...] | None, str]:
+    """Visible device ids of one type and how they were found; None when the machine cannot tell."""
+    env = os.environ if env is None else env
+    var = VISIBLE_DEVICES_ENV[device]
+    if var in env:
+        ids = tuple(x.strip() for x in env[var].split(",") if x.strip() and x.strip() != "-1")
+        return ids, f"{var}={env[var]!r}"
+    if device == "cuda":
+        smi = shutil.which("nvidia-smi")
+        if smi:
+            try:
+                out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10).stdout
+                n = sum(1 for line in out.splitlines() if line.startswith("GPU "))
+                return tuple(str(i) for i in range(n)), f"nvidia-smi lists {n} GPU(s)"
+            except (OSError, subprocess.SubprocessError):
+                pass
+        proc = Path("/proc/driver/nvidia/gpus")
+        if proc.is_dir():
+            n = len(list(proc.iterdir()))
+            return tuple(str(i) for i in range(n)), f"{proc} lists {n} GPU(s)"
+        return (), "no NVIDIA driver found"
+    nodes = {"ascend": r"davinci(\d+)", "camb": r"cambricon_dev(\d+)"}.get(device)
+    if nodes is None:
+        return None, f"{device} devices cannot be detected; set {var} or list them in gpus"
+    ids = sorted(int(m.group(1)) for p in Path("/dev").glob("*") if (m := re.fullmatch(nodes, p.name)))
+    return tuple(str(i) for i in ids), f"/dev lists {len(ids)} {device} device(s)"
+
+
+def probe_lmdeploy(executable: str | None = None, env: Mapping[str, str] | None = None) -> tuple[tuple[str, ...] | None, str]:
+    """The command that runs lmdeploy here, and how it was found; None when it is not installed."""
+    env = os.environ if env is None else env
+    if executable:
+        found = shutil.which(executable, path=env.get("PATH"))
+        return ((found,), f"executable {found}") if found else (None, f"executable {executable!r} not found")
+    found = shutil.which("lmdeploy", path=env.get("PATH"))
+    if found:
+        return (found,), f"lmdeploy on PATH ({found})"
+    try:
+        spec = importlib.util.find_spec("lmdeploy")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None:
+        return (sys.executable, "-m", "lmdeploy"), "lmdeploy importable"
+    return None, "lmdeploy is not installed"
+
+
+# -- the plan for one group ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GroupPlan:
+    """What one launch group becomes on this machine."""
+
+    group: LaunchGroup
+    engine: str  # lmdeploy | sim
+    reason: str  # why this engine, for the start-up log line
+    device_sets: tuple[tuple[str, ...], ...]  # per instance; empty tuples for the simulator
+    command: tuple[str, ...] = ()  # the lmdeploy command
+
+    @property
+    def instances(self) -> int:
+        return len(self.device_sets)
+
+
+def plan_group(group: LaunchGroup, devices: DeviceProbe, lmdeploy: LmdeployProbe) -> GroupPlan:
+    """Resolve engine auto and the device sets; raise LaunchError when the machine cannot do it."""
+    if group.engine == "sim":
+        return GroupPlan(group, "sim", "engine: sim", ((),) * group.sim_instances())
+    command, how = lmdeploy()
+    visible, seen = devices(group.device)
+    if group.engine == "auto":
+        if command is None:
+            return _sim_plan(group, f"{how}")
+        if not visible:
+            return _sim_plan(group, f"{how}, but no {group.device} device is visible ({seen})")
+        if len(visible) < group.tp:
+            return _sim_plan(group, f"{how}, but only {len(visible)} {group.device} device(s) are visible and tp is {group.tp}")
+    elif command is None:
+        raise LaunchError(f"{group.label}: engine lmdeploy, but {how}; install it (pip install lmdeploy) or use engine: sim")
+    ids = _choose_devices(group, visible, seen)
+    sets = tuple(tuple(ids[i : i + group.tp]) for i in range(0, len(ids) - len(ids) % group.tp, group.tp))
+    reason = f"{how} and {len(ids)} {group.device} device(s) visible ({seen})"
+    return GroupPlan(group, "lmdeploy", reason if group.engine == "auto" else "engine: lmdeploy", sets, tuple(command))
+
+
+def _sim_plan(group: LaunchGroup, why: str) -> GroupPlan:
+    return GroupPlan(group, "sim", why, ((),) * group.sim_instances())
+
+
+def _choose_devices(group: LaunchGroup, visible: tuple[str, ...] | None, seen: str) -> list[str]:
+    gpus = group.gpus
+    if gpus == "all":
+        if visible is None:
+            raise LaunchError(f"{group.label}.gpus: 'all' needs the visible devices, but {seen}")
+        if len(visible) < group.tp:
+            raise LaunchError(f"{group.label}: tp is {group.tp} but only {len(visible)} {group.device} device(s) are visible ({seen})")
+        return list(visible)
+    if isinstance(gpus, int):
+        if visible is not None and len(visible) < gpus:
+            raise LaunchError(f"{group.label}.gpus: {gpus} devices asked for, but only {len(visible)} are visible ({seen})")
+        return list(visible[:gpus]) if visible is not None else [str(i) for i in range(gpus)]
+    ids = [str(i) for i in gpus]
+    if visible is not None:
+        missing = [i for i in ids if i not in visible]
+        if missing:
+            raise LaunchError(f"{group.label}.gpus: device(s) {', '.join(missing)} are not visible ({seen})")
+    return ids
+
+
+# -- argv and environment ------------------------------------------------------------------------------
+def lmdeploy_argv(plan: GroupPlan, port: int, api_key: str) -> list[str]:
+    """``lmdeploy serve api_server MODEL ...`` for one instance, bound to loopback."""
+    g = plan.group
+    argv = [*plan.command, "serve", "api_server", g.model, "--server-name", LOOPBACK, "--server-port", str(port)]
+    argv += ["--model-name", g.served_name, "--backend", g.backend, "--tp", str(g.tp)]
+    if g.backend == "pytorch":
+        argv += ["--device", g.device]  # TurboMind ignores it
+    if g.cache_max_entry_count is not None:
+        argv += ["--cache-max-entry-count", f"{g.cache_max_entry_count:g}"]
+    if g.session_len is not None:
+        argv += ["--session-len", str(g.session_len)]
+    if g.max_batch_size is not None:
+        argv += ["--max-batch-size", str(g.max_batch_size)]
+    if g.quant_policy is not None:
+        argv += ["--quant-policy", QUANT_NAMES[g.quant_policy]]
+    if g.enable_prefix_caching:
+        argv.append("--enable-prefix-caching")
+    if g.dtype is not None:
+        argv += ["--dtype", g.dtype]
+    if g.chat_template is not None:
+        argv += ["--chat-template", g.chat_template]
+    if g.eager_mode:
+        argv.append("--eager-mode")
+    argv += g.extra_args
+    # Last, so no nargs option in extra_args can swallow it. The key is visible in /proc/PID/cmdline
+    # to local users: api_server reads it only from argv. It is per gateway start and loopback-only.
+    argv += ["--api-keys", api_key]
+    return argv
+
+
+def sim_argv(plan: GroupPlan, port: int, api_key: str) -> list[str]:
+    """The simulated api_server, given its key in argv like lmdeploy (same exposure, same code path)."""
+    g = plan.group
+    argv = [sys.executable, "-m", "gateway.sim", "--host", LOOPBACK, "--port", str(port), "--model", g.served_name]
+    argv += ["--backend", g.backend]
+    if g.max_batch_size is not None:
+        argv += ["--max-batch-size", str(g.max_batch_size)]
+    if g.session_len is not None:
+        argv += ["--session-len", str(g.session_len)]
+    for name, value in g.sim:
+        argv += [f"--{name.replace('_', '-')}", f"{value:g}" if isinstance(value, float) else str(value)]
+    argv += ["--api-keys", api_key]
+    return argv
+
+
+def instance_argv(plan: GroupPlan, port: int, api_key: str) -> list[str]:
+    return lmdeploy_argv(plan, port, api_key) if plan.engine == "lmdeploy" else sim_argv(plan, port, api_key)
+
+
+def instance_env(plan: GroupPlan, devices: Sequence[str], base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The instance's environment: the gateway's, the group's `env`, and its own device set."""
+    env = dict(os.environ if base is None else base)
+    env.update(plan.group.env)
+    env["PYTHONUNBUFFERED"] = "1"  # log lines reach the log file as they happen
+    if plan.engine == "lmdeploy":
+        env[VISIBLE_DEVICES_ENV[plan.group.device]] = ",".join(devices)
+    return env
+
+
+def redact(argv: Sequence[str], secret: str) -> list[str]:
+    """argv for logs: the internal key never appears."""
+    return ["***" if a == secret else a for a in argv]

@@ -1,0 +1,34 @@
+"""Prometheus metrics of the gateway, in one registry per process.
+
+Labels are low-cardinality by design: route kind, reason strings, backend ids. Never keys, URLs
+or model names chosen by clients (a client could blow up the series count).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+
+REQUESTS = Counter("gateway_requests_total", "Requests answered, by route kind and status class", ["route", "status"], registry=REGISTRY)
+REFUSALS = Counter("gateway_refusals_total", "Requests refused by a filter, by reason", ["reason"], registry=REGISTRY)
+MEDIA_REFUSALS = Counter("gateway_media_refusals_total", "Media URLs refused by the media policy, by reason", ["reason"], registry=REGISTRY)
+UPSTREAM_ERRORS = Counter("gateway_upstream_errors_total", "Failures talking to a backend, by kind", ["backend", "kind"], registry=REGISTRY)
+RETRIES = Counter("gateway_retries_total", "Requests retried on another backend before any byte reached the client", ["reason"], registry=REGISTRY)
+CLIENT_DISCONNECTS = Counter("gateway_client_disconnects_total", "Requests whose client went away; the upstream request was cancelled", registry=REGISTRY)
+IN_FLIGHT = Gauge("gateway_backend_in_flight", "Requests in flight per backend", ["backend"], registry=REGISTRY)
+BACKEND_HEALTHY = Gauge("gateway_backend_healthy", "1 when the backend is in rotation", ["backend"], registry=REGISTRY)
+LATENCY = Histogram(
+    "gateway_request_duration_seconds",
+    "Time from request to the end of the response, by route kind",
+    ["route"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+    registry=REGISTRY,
+)
+TTFB = Histogram(
+    "gateway_time_to_first_byte_seconds",
+    "Time from dispatch to the first upstream byte, by route kind",
+    ["route"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+    registry=REGISTRY,
+)

@@ -1,0 +1,557 @@
+"""Load balancing policies. One interface, several policies selectable by name.
+
+A policy sees only eligible backends (the pool filtered them) and a ``RequestInfo``. The router
+calls ``pick`` then ``dispatched`` in the same event-loop step (so the pick and the reservation are
+atomic within a process), ``first_byte`` when the response starts and ``completed`` exactly once
+per dispatch. A retry on another backend is a second ``pick``/``dispatched`` with the same
+``RequestInfo`` after the first attempt's ``completed``.
+
+Policies:
+
+- ``min_expected_latency`` (default, ours): ``ExpectedLatencyBalancer``; the formula is below.
+- ``least_in_flight``: fewest requests in flight through this gateway. This is what LMDeploy's proxy
+  computes (``unfinished / speed`` with a speed nobody reports).
+- ``round_robin``, ``random``.
+- ``least_load``: SGLang's formula ``(queued tokens + tokens dispatched since the last poll) /
+  throughput + 0.15 s × k/(1-k)``, k the KV-cache usage, on LMDeploy's scraped gauges.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from ..config.balancer import POLICIES, BalancerConfig
+from .pool import Backend
+from .prefix import BOUNDARIES, CHARS_PER_TOKEN, PrefixMemory, key_tokens, prefix_keys, scan_prompt
+from .signals import Signals
+
+
+@dataclass(slots=True, eq=False)
+class RequestInfo:
+    model: str
+    stream: bool = False
+    prompt_tokens: int = 0  # estimated from the body
+    max_tokens: int | None = None  # what the client asked for, if it did
+    prefix_keys: tuple[int, ...] = ()  # hashes of the prompt's leading blocks, for prefix affinity
+    extra: dict[str, Any] = field(default_factory=dict)  # free for the router
+    # Set by the policy for the current attempt.
+    out_tokens: float = field(default=0.0, init=False, repr=False)  # expected completion tokens
+    uncached: float = field(default=0.0, init=False, repr=False)  # expected prompt tokens the backend must prefill
+    prefill_ahead: float = field(default=0.0, init=False, repr=False)  # prefill tokens queued before this one, incl. its own
+    dispatched_at: float = field(default=0.0, init=False, repr=False)
+    first_byte_at: float = field(default=0.0, init=False, repr=False)
+    area_at: float = field(default=0.0, init=False, repr=False)  # the backend's ∫batch dt when decoding began
+    picked: tuple[Backend | None, int] = field(default=(None, 0), init=False, repr=False)  # (backend, prefix depth) from pick
+
+
+@dataclass(slots=True)
+class Outcome:
+    status: int  # upstream HTTP status, or 0 when no response arrived
+    ok: bool  # a complete, successful response
+    ttft: float | None = None  # seconds from dispatch to the first response byte
+    duration: float = 0.0  # seconds from dispatch to the end
+    prompt_tokens: int | None = None  # from usage, when the response carried it
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+
+
+def estimate_prompt_tokens(body: dict[str, Any]) -> int:
+    """A cheap token estimate: about four characters a token over the text the client sent."""
+    return scan_prompt(body)[1] // CHARS_PER_TOKEN + 1
+
+
+def request_info(model: str, body: dict[str, Any]) -> RequestInfo:
+    mt = body.get("max_tokens", body.get("max_completion_tokens", body.get("max_output_tokens")))
+    head, chars = scan_prompt(body)
+    return RequestInfo(
+        model=model,
+        stream=body.get("stream") is True,
+        prompt_tokens=chars // CHARS_PER_TOKEN + 1,
+        max_tokens=mt if isinstance(mt, int) and not isinstance(mt, bool) and mt > 0 else None,
+        prefix_keys=prefix_keys(head) if len(head) >= BOUNDARIES[0] else (),
+    )
+
+
+class Balancer:
+    """Base policy: subclasses override ``pick``; bookkeeping of in-flight requests is shared."""
+
+    name = "base"
+
+    def __init__(self, config: BalancerConfig | None = None, *, clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None):
+        self.config = config or BalancerConfig()
+        self.clock = clock
+        self.rng = rng or random.Random()
+
+    def pick(self, candidates: Sequence[Backend], req: RequestInfo) -> Backend:
+        raise NotImplementedError
+
+    def dispatched(self, backend: Backend, req: RequestInfo) -> None:
+        backend.in_flight += 1
+
+    def first_byte(self, backend: Backend, req: RequestInfo, ttft: float) -> None:
+        pass
+
+    def completed(self, backend: Backend, req: RequestInfo, outcome: Outcome) -> None:
+        backend.in_flight -= 1
+
+    def observe_signals(self, backend: Backend, signals: Signals, changed: bool) -> None:
+        """Called by the ``MetricsScraper`` after each poll of a backend's /metrics."""
+
+    def _least(self, candidates: Sequence[Backend], score: Callable[[Backend], float]) -> Backend:
+        """The lowest score, ties at random."""
+        best = float("inf")
+        ties: list[Backend] = []
+        for b in candidates:
+            s = score(b)
+            if s < best - 1e-12 * abs(best) if best != float("inf") else s < best:
+                best, ties = s, [b]
+            elif s <= best + 1e-12 * abs(best):
+                ties.append(b)
+        if not ties:  # every score was inf or nan
+            ties = list(candidates)
+        return ties[0] if len(ties) == 1 else self.rng.choice(ties)
+
+
+class LeastInFlight(Balancer):
+    """Fewest requests in flight through this gateway; ties at random (LMDeploy proxy's effective policy)."""
+
+    name = "least_in_flight"
+
+    def pick(self, candidates: Sequence[Backend], req: RequestInfo) -> Backend:
+        return self._least(candidates, lambda b: b.in_flight)
+
+
+class RoundRobin(Balancer):
+    name = "round_robin"
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._counter = itertools.count()
+
+    def pick(self, candidates: Sequence[Backend], req: RequestInfo) -> Backend:
+        return candidates[next(self._counter) % len(candidates)]
+
+
+class RandomChoice(Balancer):
+    name = "random"
+
+    def pick(self, candidates: Sequence[Backend], req: RequestInfo) -> Backend:
+        return self.rng.choice(candidates)
+
+
+# -- shared estimates of request size ------------------------------------------------------------
+
+
+class _Sizes:
+    """Per-model running averages that turn a request body into token counts.
+
+    - ``token_ratio``: usage.prompt_tokens / our chars-per-4 estimate.
+    - ``fill``: completion_tokens / max_tokens, when the client set max_tokens.
+    - ``out_avg``: completion_tokens, for requests without max_tokens.
+    """
+
+    __slots__ = ("token_ratio", "fill", "out_avg", "tokens_avg")
+
+    def __init__(self) -> None:
+        self.token_ratio = 1.0
+        self.fill = 1.0
+        self.out_avg = 256.0
+        self.tokens_avg = 512.0  # prompt + completion per request
+
+    def prompt(self, req: RequestInfo) -> float:
+        return req.prompt_tokens * self.token_ratio
+
+    def output(self, req: RequestInfo) -> float:
+        if req.max_tokens is not None:
+            return max(1.0, min(req.max_tokens * self.fill, float(req.max_tokens)))
+        return self.out_avg
+
+    def learn(self, req: RequestInfo, outcome: Outcome, a: float = 0.05) -> None:
+        if outcome.prompt_tokens and req.prompt_tokens > 1:
+            self.token_ratio += a * (outcome.prompt_tokens / req.prompt_tokens - self.token_ratio)
+        ct = outcome.completion_tokens
+        if ct is not None and ct >= 0:
+            if req.max_tokens:
+                self.fill += a * (min(1.0, ct / req.max_tokens) - self.fill)
+            else:
+                self.out_avg += a * (ct - self.out_avg)
+            self.tokens_avg += a * ((outcome.prompt_tokens or self.prompt(req)) + ct - self.tokens_avg)
+
+
+# -- the expected-latency model ---------------------------------------------------------------------
+
+
+class _BackendModel:
+    """What the expected-latency policy knows about one backend (kept in ``backend.stats["latency"]``)."""
+
+    __slots__ = ("inflight", "area", "area_t", "sy", "sx", "ext", "if_max", "slots", "prefixes")
+
+    def __init__(self, now: float, prefixes: PrefixMemory):
+        self.inflight: dict[int, RequestInfo] = {}  # requests this gateway has on it
+        self.area = 0.0  # ∫ (sequences on the backend) dt: the mean batch over any window is Δarea / Δt
+        self.area_t = now
+        self.sy = 0.0  # Σλ seconds per output token observed
+        self.sx = 0.0  # Σλ (1 + γ·mean batch) over the same observations: σ = sy / sx
+        self.ext = 0.0  # sequences on the backend that are not ours (other replicas, direct clients), from /metrics
+        self.if_max = 0  # most of ours in flight since the last scrape
+        self.slots: int | None = None  # the engine's batch slots, learnt when /metrics shows a queue
+        self.prefixes = prefixes
+
+    def advance(self, now: float) -> None:
+        if now > self.area_t:
+            self.area += (len(self.inflight) + self.ext) * (now - self.area_t)
+            self.area_t = now
+
+
+class ExpectedLatencyBalancer(Balancer):
+    """Route each request to the backend where it is expected to finish first.
+
+    Model of one backend b (continuous batching). A decode step with n sequences in the batch takes
+
+        s_b(n) = σ_b · (1 + γ·n)
+
+    σ_b is b's own speed (seconds per token of a lone sequence), γ how much each extra sequence
+    slows a step (shared by the fleet: same model, same engine). A new request r with P uncached
+    prompt tokens and d expected output tokens, arriving while b holds sequences j with rem_j
+    output tokens left, decodes d steps; at its step k the batch holds itself and every j with
+    rem_j ≥ k, so its steps sum to d·σ(1+γ) + σγ·Σ_j min(rem_j, d). Hence
+
+        L_b(r) = ( ρ·σ_b·(Q_b + P_b(r))                     prefill of what is queued, then of r
+                 + σ_b·(1+γ)·d + σ_b·γ·Σ_j min(rem_j, d)     r's decode, slowed by its batch mates
+                 + W_b )                                    wait for a batch slot when all are busy
+                 / ramp_b
+               + kv_penalty · k_b / (1 - k_b)
+
+    - Q_b: prompt tokens of b's requests still in prefill; P_b(r) = r's prompt tokens minus the
+      prefix b served recently (the prefix cache hits).
+    - rem_j: expected output tokens of j (max_tokens × the observed fill ratio, or the running
+      mean) minus those decoded since j's first byte. Tokens, not requests.
+    - j runs over this gateway's requests on b plus ``ext_b`` others'. ext_b = running + waiting
+      from b's /metrics minus the most we had on b since the previous scrape (never negative): the
+      gauges refresh every 10 s, so until they change our own reservations are what counts.
+    - W_b: when b's batch is full (slots learnt from /metrics), the time until enough j finish.
+    - ramp_b = max(0.1, time since b returned / slow_start): a backend back from ejection or
+      unhealth looks slower than it is, so it fills up gradually instead of taking the queue.
+    - k_b: the scraped KV-cache usage, as in SGLang's formula.
+
+    Learning (EWMA, λ = 0.95 a completion): σ_b = Σ seconds-per-output-token / Σ(1 + γ·n̄) over b's
+    completions (n̄: the mean batch while it decoded, from the ∫batch dt counter), blended with
+    the fleet's pooled σ as one pseudo-observation, so a backend with no history starts at the
+    fleet average (not 0, not ∞). γ: least squares of (s/σ_b - 1) on n̄, fleet-wide. ρ: prefill
+    seconds per prompt token per σ, from streamed TTFTs. Per model: prompt-token correction, the
+    max_tokens fill ratio, mean output length.
+
+    Prefix affinity: if the backend that served the longest prefix of the prompt (at least
+    ``affinity_min_tokens``) has L within ``(1 + affinity_bound)`` of the best, it wins; otherwise
+    load wins. Ties on L break at random.
+    """
+
+    name = "min_expected_latency"
+    SIGMA0 = 0.03  # prior seconds per token of a lone sequence, before any backend has history
+    GAMMA0 = 0.01  # prior: each sequence in the batch adds 1% to a step
+    RHO0 = 0.005  # prior: prefilling a token costs 0.5% of a decode step
+    DECAY = 0.95
+    MIN_RAMP = 0.1
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.sizes: dict[str, _Sizes] = {}
+        self.gamma = self.GAMMA0
+        self._g_num = 0.0
+        self._g_den = 0.0
+        self._rho_num = 0.0
+        self._rho_den = 0.0
+        self.affinity_picks = 0  # picks where affinity overrode the minimum
+        self.picks = 0
+
+    # -- state --------------------------------------------------------------------------------
+    def _model(self, b: Backend) -> _BackendModel:
+        m = b.stats.get("latency")
+        if m is None:
+            m = b.stats["latency"] = _BackendModel(self.clock(), PrefixMemory(ttl=self.config.affinity_ttl))
+        return m
+
+    def _sizes(self, model: str) -> _Sizes:
+        s = self.sizes.get(model)
+        if s is None:
+            s = self.sizes[model] = _Sizes()
+        return s
+
+    @property
+    def rho(self) -> float:
+        # Prior worth 20k prompt tokens, so a few early TTFTs do not swing it.
+        return (self._rho_num + self.RHO0 * 20000) / (self._rho_den + 20000)
+
+    def fleet_sigma(self, backends: Sequence[Backend] | None = None) -> float:
+        """The pooled σ of the backends with history (the prior of a backend without)."""
+        sy = sx = 0.0
+        for b in backends if backends is not None else ():
+            m = b.stats.get("latency")
+            if m is not None:
+                sy += m.sy
+                sx += m.sx
+        return sy / sx if sx > 0 else self.SIGMA0
+
+    def sigma(self, b: Backend, fleet: float) -> float:
+        m = b.stats.get("latency")
+        if m is None:
+            return fleet
+        return (m.sy + fleet) / (m.sx + 1.0)
+
+    def _ramp(self, b: Backend, now: float) -> float:
+        w = self.config.slow_start
+        if w <= 0 or not b.returned_at:
+            return 1.0
+        return min(1.0, max(self.MIN_RAMP, (now - b.returned_at) / w))
+
+    # -- the estimate -----------------------------------------------------------------------------
+    def expected_latency(self, b: Backend, req: RequestInfo, now: float, fleet: float, depth: int | None = None) -> tuple[float, int]:
+        """(L_b(r), prefix depth b holds for r); ``req.out_tokens`` and ``req.uncached`` must be set."""
+        m = self._model(b)
+        if depth is None:
+            depth = m.prefixes.depth(req.prefix_keys, now) if req.prefix_keys else 0
+        sigma = self.sigma(b, fleet)
+        g = self.gamma
+        d = req.out_tokens
+        n = len(m.inflight) + m.ext
+        step = sigma * (1.0 + g * n)
+        queued = 0.0
+        shared = 0.0
+        rems: list[float] = []
+        for j in m.inflight.values():
+            if j.first_byte_at:
+                decoded = (now - j.first_byte_at) / step
+            elif j.stream:
+                queued += j.uncached
+                decoded = 0.0
+            else:  # a non-streamed response shows no first byte: assume its prefill took the estimate
+                t = now - j.dispatched_at - self.rho * sigma * j.prefill_ahead
+                if t < 0:
+                    queued += j.uncached
+                decoded = t / step if t > 0 else 0.0
+            rem = j.out_tokens - decoded
+            if rem < 1.0:
+                rem = 1.0
+            shared += rem if rem < d else d
+            rems.append(rem)
+        if m.ext:
+            sizes = self._sizes(req.model)
+            avg_rem = sizes.out_avg / 2
+            shared += m.ext * min(avg_rem, d)
+            queued += m.ext * sizes.prompt(req) * 0.1  # some of the others are in prefill; a rough share
+        prompt = req.prompt_tokens * self._sizes(req.model).token_ratio
+        uncached = max(0.0, prompt - key_tokens(depth))
+        lat = self.rho * sigma * (queued + uncached) + sigma * (1.0 + g) * d + sigma * g * shared
+        if m.slots is not None and len(rems) + 1 > m.slots:
+            k = len(rems) + 1 - m.slots
+            lat += heapq.nsmallest(k, rems)[-1] * sigma * (1.0 + g * m.slots)
+        lat /= self._ramp(b, now)
+        sig = b.stats.get("signals")
+        if sig is not None and self.config.kv_penalty and sig.fresh(now):
+            k = min(sig.kv_usage, 0.99)
+            lat += self.config.kv_penalty * k / (1.0 - k)
+        return lat, depth
+
+    def explain(self, candidates: Sequence[Backend], req: RequestInfo) -> dict[str, tuple[float, int]]:
+        """Each candidate's (expected latency, prefix depth) for ``req``: for tests and debugging."""
+        now = self.clock()
+        self._prepare(req)
+        fleet = self.fleet_sigma(candidates)
+        return {b.id: self.expected_latency(b, req, now, fleet) for b in candidates}
+
+    def _prepare(self, req: RequestInfo) -> None:
+        sizes = self._sizes(req.model)
+        req.out_tokens = sizes.output(req)
+
+    # -- the interface ----------------------------------------------------------------------------
+    def pick(self, candidates: Sequence[Backend], req: RequestInfo) -> Backend:
+        self.picks += 1
+        self._prepare(req)
+        if len(candidates) == 1:
+            req.picked = (None, 0)
+            return candidates[0]
+        now = self.clock()
+        fleet = self.fleet_sigma(candidates)
+        scored = [(*self.expected_latency(b, req, now, fleet), b) for b in candidates]
+        best_lat = min(s[0] for s in scored)
+        tol = 1e-9 * abs(best_lat)
+        ties = [s for s in scored if s[0] <= best_lat + tol]
+        choice = ties[0] if len(ties) == 1 else self.rng.choice(ties)
+        bound = self.config.affinity_bound
+        if bound > 0 and req.prefix_keys:
+            aff = max(scored, key=lambda s: (s[1], -s[0]))
+            if aff[1] > choice[1] and key_tokens(aff[1]) >= self.config.affinity_min_tokens and aff[0] <= best_lat * (1.0 + bound):
+                if aff[2] is not choice[2]:
+                    self.affinity_picks += 1
+                choice = aff
+        req.picked = (choice[2], choice[1])
+        return choice[2]
+
+    def dispatched(self, backend: Backend, req: RequestInfo) -> None:
+        backend.in_flight += 1
+        now = self.clock()
+        m = self._model(backend)
+        m.advance(now)
+        if not req.out_tokens:
+            self._prepare(req)
+        picked, depth = req.picked
+        if picked is not backend:
+            depth = m.prefixes.depth(req.prefix_keys, now) if req.prefix_keys else 0
+        req.picked = (None, 0)
+        req.uncached = max(0.0, self._sizes(req.model).prompt(req) - key_tokens(depth))
+        queued = sum(j.uncached for j in m.inflight.values() if not j.first_byte_at)
+        req.prefill_ahead = queued + req.uncached
+        req.dispatched_at = now
+        req.first_byte_at = 0.0
+        req.area_at = m.area
+        m.inflight[id(req)] = req
+        if len(m.inflight) > m.if_max:
+            m.if_max = len(m.inflight)
+        if req.prefix_keys:
+            m.prefixes.add(req.prefix_keys, now)
+
+    def first_byte(self, backend: Backend, req: RequestInfo, ttft: float) -> None:
+        m = self._model(backend)
+        if id(req) not in m.inflight or not req.stream:
+            return  # a non-streamed response's first byte is its end
+        now = self.clock()
+        m.advance(now)
+        req.first_byte_at = now
+        req.area_at = m.area
+        sigma = self.sigma(backend, self.fleet_sigma((backend,)))
+        if req.prefill_ahead > 0 and ttft > 0:
+            # Seconds of prefill per token per σ: TTFT less one decode step.
+            prefill = max(0.0, ttft - sigma * (1.0 + self.gamma * (len(m.inflight) + m.ext)))
+            self._rho_num = self.DECAY * self._rho_num + prefill / sigma
+            self._rho_den = self.DECAY * self._rho_den + req.prefill_ahead
+
+    def completed(self, backend: Backend, req: RequestInfo, outcome: Outcome) -> None:
+        m = self._model(backend)
+        if id(req) not in m.inflight:
+            return  # already completed: never count a request twice
+        now = self.clock()
+        m.advance(now)  # the batch integral still counts this request up to now
+        del m.inflight[id(req)]
+        backend.in_flight -= 1
+        if outcome.ok:
+            self._sizes(req.model).learn(req, outcome)
+            self._learn_speed(backend, m, req, outcome, now)
+
+    def _learn_speed(self, b: Backend, m: _BackendModel, req: RequestInfo, outcome: Outcome, now: float) -> None:
+        k = outcome.completion_tokens
+        if k is None or k < 2:
+            return
+        if req.first_byte_at:
+            start = req.first_byte_at
+        else:
+            start = req.dispatched_at + self.rho * self.sigma(b, self.fleet_sigma((b,))) * req.prefill_ahead
+        span = now - start
+        if span <= 0:
+            return
+        y = span / (k - 1)  # seconds per output token
+        nbar = max(1.0, (m.area - req.area_at) / (now - (req.first_byte_at or req.dispatched_at)))
+        x = 1.0 + self.gamma * nbar
+        m.sy = self.DECAY * m.sy + y
+        m.sx = self.DECAY * m.sx + x
+        sigma = m.sy / m.sx
+        # γ: fleet-wide least squares through the origin of (y/σ_b - 1) on the mean batch.
+        self._g_num = self.DECAY * self._g_num + nbar * (y / sigma - 1.0)
+        self._g_den = self.DECAY * self._g_den + nbar * nbar
+        if self._g_den > 50.0:
+            self.gamma = min(1.0, max(0.0, self._g_num / self._g_den))
+
+    def observe_signals(self, backend: Backend, signals: Signals, changed: bool) -> None:
+        m = self._model(backend)
+        m.advance(self.clock())
+        if changed:
+            seen = signals.running + signals.waiting
+            m.ext = max(0.0, seen - m.if_max)
+            if signals.waiting > 0 and signals.running > 0:
+                m.slots = int(signals.running)
+        if not signals.fresh(self.clock()):
+            m.ext = 0.0
+        m.if_max = len(m.inflight)
+
+
+class LeastLoad(Balancer):
+    """SGLang's least_load on LMDeploy's gauges.
+
+    score_b = (queued_tokens_b + dispatched_tokens_b) / throughput_b + 0.15 s × k/(1-k)
+
+    - queued_tokens_b: (num_requests_waiting + num_requests_running) × the mean tokens of a request
+      (LMDeploy reports requests, not tokens).
+    - dispatched_tokens_b: prompt + expected output tokens this gateway sent b since its gauges
+      last changed.
+    - throughput_b: b's tokens per second from its token counters, as a decaying maximum (so an
+      idle backend is not mistaken for a slow one); the fleet mean before the first reading.
+    - k: gpu_cache_usage_perc.
+    """
+
+    name = "least_load"
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.sizes: dict[str, _Sizes] = {}
+
+    def _sizes(self, model: str) -> _Sizes:
+        s = self.sizes.get(model)
+        if s is None:
+            s = self.sizes[model] = _Sizes()
+        return s
+
+    def pick(self, candidates: Sequence[Backend], req: RequestInfo) -> Backend:
+        now = self.clock()
+        sizes = self._sizes(req.model)
+        rates = [b.stats.get("ll_rate", 0.0) for b in candidates]
+        known = [r for r in rates if r > 0]
+        fleet_rate = sum(known) / len(known) if known else 1000.0
+        coef = self.config.kv_penalty
+
+        def score(b: Backend) -> float:
+            sig: Signals | None = b.stats.get("signals")
+            queued = kv = 0.0
+            if sig is not None and sig.fresh(now):
+                queued = (sig.waiting + sig.running) * sizes.tokens_avg
+                kv = min(sig.kv_usage, 0.99)
+            rate = b.stats.get("ll_rate", 0.0) or fleet_rate
+            return (queued + b.stats.get("ll_dispatched", 0.0)) / rate + coef * kv / (1.0 - kv)
+
+        return self._least(candidates, score)
+
+    def dispatched(self, backend: Backend, req: RequestInfo) -> None:
+        backend.in_flight += 1
+        sizes = self._sizes(req.model)
+        backend.stats["ll_dispatched"] = backend.stats.get("ll_dispatched", 0.0) + sizes.prompt(req) + sizes.output(req)
+
+    def completed(self, backend: Backend, req: RequestInfo, outcome: Outcome) -> None:
+        backend.in_flight -= 1
+        if outcome.ok:
+            self._sizes(req.model).learn(req, outcome)
+
+    def observe_signals(self, backend: Backend, signals: Signals, changed: bool) -> None:
+        if changed:
+            backend.stats["ll_dispatched"] = 0.0
+            if signals.token_rate > 0:
+                # A decaying maximum: capacity, not the current (possibly idle) rate.
+                prev = backend.stats.get("ll_rate", 0.0)
+                backend.stats["ll_rate"] = max(signals.token_rate, 0.9 * prev)
+
+
+_POLICIES: dict[str, type[Balancer]] = {
+    p.name: p for p in (ExpectedLatencyBalancer, LeastInFlight, RoundRobin, RandomChoice, LeastLoad)
+}
+assert set(_POLICIES) == set(POLICIES), "config POLICIES and the policy classes disagree"
+
+
+def make_balancer(policy: str, config: BalancerConfig | None = None, **kwargs: Any) -> Balancer:
+    """The policy named ``policy``; ``config`` carries its knobs (the policy field of config is not read)."""
+    try:
+        cls = _POLICIES[policy]
+    except KeyError:
+        raise ValueError(f"unknown balancer policy {policy!r}; choose one of: {', '.join(POLICIES)}") from None
+    return cls(config, **kwargs)

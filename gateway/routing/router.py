@@ -1,0 +1,251 @@
+"""The router: pick a backend for a validated request, forward it, relay the answer.
+
+Retries are safe only before the client has seen a byte: a refused or reset connection, or a
+502/503 from the backend, is retried on another backend (bounded by ``balancer.retries``). Once
+a response has started, it is relayed as it is; a stream that breaks ends with an error event.
+The balancer is told about every dispatch exactly once (``completed``), whatever happens,
+including the client going away.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Awaitable, Callable
+
+import httpx
+import orjson
+
+from .. import metrics
+from ..errors import Refusal, sse_error_event
+from ..filters import RequestContext
+from ..upstream import Upstream, UpstreamTimeout, is_event_stream, response_headers
+from .balancer import Balancer, Outcome, RequestInfo, request_info
+from .pool import Backend, BackendPool
+
+log = logging.getLogger("gateway.router")
+
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+RETRYABLE_STATUS = (502, 503)
+
+
+def model_not_found(model: str) -> Refusal:
+    return Refusal(
+        404,
+        f"The model {model[:128]!r} does not exist or you do not have access to it.",
+        "model_not_found",
+        param="model",
+        code="model_not_found",
+    )
+
+
+NO_BACKEND = Refusal(503, "No healthy backend is available for this model; try again shortly.", "no_healthy_backend", code="service_unavailable")
+UPSTREAM_FAILED = Refusal(502, "The backend could not be reached.", "upstream_unreachable", code="bad_gateway")
+TIMEOUTS = {
+    "connect": Refusal(504, "Timed out connecting to the backend.", "upstream_connect_timeout", code="gateway_timeout"),
+    "first_byte": Refusal(504, "The backend did not start answering in time.", "upstream_first_byte_timeout", code="gateway_timeout"),
+    "idle": Refusal(504, "The backend stopped answering mid-response.", "upstream_idle_timeout", code="gateway_timeout"),
+}
+
+
+class Router:
+    def __init__(self, pool: BackendPool, balancer: Balancer, upstream: Upstream, retries: int = 1):
+        self.pool = pool
+        self.balancer = balancer
+        self.upstream = upstream
+        self.retries = retries
+
+    async def forward(
+        self,
+        ctx: RequestContext,
+        payload: bytes,
+        headers: list[tuple[bytes, bytes]],
+        send: Send,
+        reply: Callable[[Refusal], Awaitable[None]],
+    ) -> int:
+        """Forward one request and relay the response; returns the status sent to the client."""
+        model = ctx.model or ""
+        req = request_info(model, ctx.body or {})
+        path = ctx.route.upstream_path
+        tried: set[str] = set()
+        attempts = 1 + self.retries
+        for attempt in range(attempts):
+            candidates = self.pool.eligible(model)
+            if tried:
+                candidates = [b for b in candidates if b.id not in tried] or candidates
+            if not candidates:
+                refusal = NO_BACKEND if self.pool.knows_model(model) else model_not_found(model)
+                await reply(refusal)
+                return refusal.status
+            backend = self.balancer.pick(candidates, req)
+            self.balancer.dispatched(backend, req)
+            last = attempt == attempts - 1
+            status = await self._attempt(backend, req, ctx, path, payload, headers, send, reply, last)
+            if status is not None:
+                return status
+            tried.add(backend.id)
+            metrics.RETRIES.labels(reason="before_first_byte").inc()
+        raise AssertionError("unreachable: the last attempt always answers")
+
+    async def _attempt(
+        self,
+        b: Backend,
+        req: RequestInfo,
+        ctx: RequestContext,
+        path: str,
+        payload: bytes,
+        headers: list[tuple[bytes, bytes]],
+        send: Send,
+        reply: Callable[[Refusal], Awaitable[None]],
+        last: bool,
+    ) -> int | None:
+        """One try on one backend. None means: nothing reached the client, try another."""
+        start = time.monotonic()
+        outcome = Outcome(status=0, ok=False)
+        try:
+            try:
+                response = await self.upstream.open(b.url + path, payload, headers + b.auth_headers())
+            except UpstreamTimeout as exc:
+                self.pool.report_failure(b)
+                metrics.UPSTREAM_ERRORS.labels(backend=b.id, kind=f"{exc.phase}_timeout").inc()
+                await reply(TIMEOUTS[exc.phase])
+                return TIMEOUTS[exc.phase].status
+            except httpx.TransportError as exc:
+                kind = "connect_refused" if isinstance(exc, httpx.ConnectError) else "reset"
+                metrics.UPSTREAM_ERRORS.labels(backend=b.id, kind=kind).inc()
+                if kind == "connect_refused":
+                    self.pool.report_unreachable(b)
+                else:
+                    self.pool.report_failure(b)
+                log.warning("backend %s failed before answering (%s)", b.id, kind)
+                if last:
+                    await reply(UPSTREAM_FAILED)
+                    return UPSTREAM_FAILED.status
+                return None
+            try:
+                outcome.status = response.status_code
+                if response.status_code >= 500:
+                    self.pool.report_failure(b)
+                    metrics.UPSTREAM_ERRORS.labels(backend=b.id, kind=f"http_{response.status_code}").inc()
+                else:
+                    self.pool.report_success(b)
+                if response.status_code in RETRYABLE_STATUS and not last:
+                    return None
+                if response.status_code == 200 and is_event_stream(response):
+                    await self._relay_stream(b, req, ctx, response, send, start, outcome)
+                else:
+                    await self._relay_whole(b, req, response, send, start, outcome, reply)
+                return response.status_code
+            finally:
+                await response.aclose()
+        finally:
+            outcome.duration = time.monotonic() - start
+            self.balancer.completed(b, req, outcome)
+
+    async def _relay_whole(
+        self,
+        b: Backend,
+        req: RequestInfo,
+        response: httpx.Response,
+        send: Send,
+        start: float,
+        outcome: Outcome,
+        reply: Callable[[Refusal], Awaitable[None]],
+    ) -> None:
+        try:
+            body = await self.upstream.read_all(response)
+        except UpstreamTimeout as exc:
+            self.pool.report_failure(b)
+            await reply(TIMEOUTS[exc.phase])
+            return
+        except httpx.TransportError:
+            self.pool.report_failure(b)
+            await reply(UPSTREAM_FAILED)
+            return
+        outcome.ttft = time.monotonic() - start
+        self.balancer.first_byte(b, req, outcome.ttft)
+        if response.status_code == 200:
+            outcome.ok = True
+            _read_usage(body, outcome)
+        hdrs = response_headers(response)
+        hdrs.append((b"content-length", str(len(body)).encode()))
+        await send({"type": "http.response.start", "status": response.status_code, "headers": hdrs})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    async def _relay_stream(
+        self,
+        b: Backend,
+        req: RequestInfo,
+        ctx: RequestContext,
+        response: httpx.Response,
+        send: Send,
+        start: float,
+        outcome: Outcome,
+    ) -> None:
+        hdrs = response_headers(response)
+        hdrs += [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+        await send({"type": "http.response.start", "status": 200, "headers": hdrs})
+        usage_chunk = b""
+        first = True
+        try:
+            async for chunk in self.upstream.chunks(response):
+                if first:
+                    first = False
+                    outcome.ttft = time.monotonic() - start
+                    self.balancer.first_byte(b, req, outcome.ttft)
+                if b'"usage"' in chunk:
+                    usage_chunk = chunk
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except (UpstreamTimeout, httpx.TransportError) as exc:
+            kind = f"{exc.phase}_timeout" if isinstance(exc, UpstreamTimeout) else "stream_broken"
+            metrics.UPSTREAM_ERRORS.labels(backend=b.id, kind=kind).inc()
+            self.pool.report_failure(b)
+            log.warning("stream from backend %s broke mid-way (%s)", b.id, kind)
+            event = sse_error_event("The backend stopped answering before the response was complete.", ctx.style)
+            await send({"type": "http.response.body", "body": event, "more_body": False})
+            return
+        outcome.ok = True
+        if usage_chunk:
+            _read_sse_usage(usage_chunk, outcome)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _apply_usage(usage: Any, outcome: Outcome) -> None:
+    if not isinstance(usage, dict):
+        return
+    p = usage.get("prompt_tokens", usage.get("input_tokens"))
+    c = usage.get("completion_tokens", usage.get("output_tokens"))
+    if isinstance(p, int):
+        outcome.prompt_tokens = p
+    if isinstance(c, int):
+        outcome.completion_tokens = c
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else usage.get("cache_read_input_tokens")
+    if isinstance(cached, int):
+        outcome.cached_tokens = cached
+
+
+def _read_usage(body: bytes, outcome: Outcome) -> None:
+    if len(body) > 1 << 20 or b'"usage"' not in body:
+        return
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return
+    if isinstance(data, dict):
+        _apply_usage(data.get("usage") or (data.get("response") or {}).get("usage"), outcome)
+
+
+def _read_sse_usage(chunk: bytes, outcome: Outcome) -> None:
+    """The usage object from the last SSE event that carries one (OpenAI, Responses or Anthropic)."""
+    for line in reversed(chunk.split(b"\n")):
+        if line.startswith(b"data:") and b'"usage"' in line:
+            try:
+                data = orjson.loads(line[5:])
+            except orjson.JSONDecodeError:
+                continue
+            if isinstance(data, dict):
+                usage = data.get("usage") or (data.get("response") or {}).get("usage") or (data.get("message") or {}).get("usage")
+                _apply_usage(usage, outcome)
+            return

@@ -1,0 +1,554 @@
+"""The balancing policies and the expected-latency model: table-driven, deterministic (fake clock, seeded rng)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from gateway.config import ConfigError, parse_config
+from gateway.config.balancer import POLICIES, BalancerConfig
+from gateway.routing.balancer import (
+    ExpectedLatencyBalancer,
+    LeastLoad,
+    Outcome,
+    RequestInfo,
+    make_balancer,
+    request_info,
+)
+from gateway.routing.pool import Backend
+from gateway.routing.prefix import BOUNDARIES, MAX_PREFIX_CHARS, PrefixMemory, key_tokens, prefix_keys, scan_prompt
+from gateway.routing.signals import Signals
+
+SIGMA0 = ExpectedLatencyBalancer.SIGMA0
+GAMMA0 = ExpectedLatencyBalancer.GAMMA0
+RHO0 = ExpectedLatencyBalancer.RHO0
+
+
+class Clock:
+    def __init__(self, t: float = 1000.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def backends(*ids: str) -> list[Backend]:
+    return [Backend(id=i, url=f"http://{i}.invalid", models=frozenset({"m"}), healthy=True) for i in ids]
+
+
+def mel(clock: Clock | None = None, seed: int = 0, **cfg) -> ExpectedLatencyBalancer:
+    cfg.setdefault("slow_start", 0.0)
+    b = make_balancer("min_expected_latency", BalancerConfig(**cfg), clock=clock or Clock(), rng=random.Random(seed))
+    assert isinstance(b, ExpectedLatencyBalancer)
+    return b
+
+
+def set_sigma(bal: ExpectedLatencyBalancer, b: Backend, sigma: float) -> None:
+    """Give b a long history at speed sigma, so the fleet prior no longer matters."""
+    m = bal._model(b)
+    m.sx = 1e6
+    m.sy = sigma * 1e6
+
+
+def req(prompt: int = 1, out: int = 100, stream: bool = False, keys: tuple[int, ...] = ()) -> RequestInfo:
+    return RequestInfo(model="m", stream=stream, prompt_tokens=prompt, max_tokens=out, prefix_keys=keys)
+
+
+def load(bal, b: Backend, n: int, out: int = 100, prompt: int = 1) -> list[RequestInfo]:
+    rs = [req(prompt, out) for _ in range(n)]
+    for r in rs:
+        bal.dispatched(b, r)
+    return rs
+
+
+# -- names and configuration ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_every_configured_policy_name_builds_its_policy(name):
+    assert make_balancer(name).name == name
+
+
+def test_unknown_policy_name_lists_the_choices():
+    with pytest.raises(ValueError, match="choose one of: min_expected_latency, least_in_flight, round_robin, random, least_load"):
+        make_balancer("least_connections")
+
+
+def test_default_policy_is_min_expected_latency():
+    assert BalancerConfig().policy == "min_expected_latency"
+    assert parse_config({"auth": {"disabled": True}, "backends": [{"url": "http://127.0.0.1:1"}]}).balancer.policy == "min_expected_latency"
+
+
+@pytest.mark.parametrize(
+    "section, message",
+    [
+        ({"policy": "least-load"}, "'least-load' is not a valid choice; choose one of: min_expected_latency, least_in_flight, round_robin, random, least_load (did you mean 'least_load'?)"),
+        ({"policy": 3}, "choose one of"),
+        ({"retries": 9}, "balancer.retries: 9 is out of range"),
+        ({"scrape_interval": 0.01}, "balancer.scrape_interval: 0.01 is too short"),
+        ({"scrape_interval": -1}, "balancer.scrape_interval: -1 is out of range"),
+        ({"affinity_bound": -0.1}, "balancer.affinity_bound"),
+        ({"affinity_ttl": 0}, "balancer.affinity_ttl"),
+        ({"slow_start": "soon"}, "balancer.slow_start: expected a number"),
+        ({"affinty_bound": 0.2}, "unknown field (did you mean 'affinity_bound'?)"),
+    ],
+)
+def test_invalid_balancer_config_is_refused_with_a_clear_message(section, message):
+    with pytest.raises(ConfigError) as exc:
+        parse_config({"auth": {"disabled": True}, "backends": [{"url": "http://127.0.0.1:1"}], "balancer": section})
+    assert message in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    "section, field, value",
+    [
+        ({"policy": " Least_In_Flight "}, "policy", "least_in_flight"),
+        ({"scrape_interval": 0}, "scrape_interval", 0.0),
+        ({"affinity_bound": 0}, "affinity_bound", 0.0),
+        ({"slow_start": 10}, "slow_start", 10.0),
+        ({"kv_penalty": 0}, "kv_penalty", 0.0),
+    ],
+)
+def test_valid_balancer_config_is_read(section, field, value):
+    cfg = parse_config({"auth": {"disabled": True}, "backends": [{"url": "http://127.0.0.1:1"}], "balancer": section})
+    assert getattr(cfg.balancer, field) == value
+
+
+# -- the baselines ---------------------------------------------------------------------------------
+
+def test_least_in_flight_picks_the_fewest_and_breaks_ties_at_random():
+    a, b, c = backends("a", "b", "c")
+    a.in_flight, b.in_flight, c.in_flight = 2, 1, 1
+    seen = {make_balancer("least_in_flight", rng=random.Random(s)).pick([a, b, c], req()).id for s in range(40)}
+    assert seen == {"b", "c"}
+
+
+def test_round_robin_cycles_through_the_candidates():
+    bal = make_balancer("round_robin")
+    bs = backends("a", "b", "c")
+    assert [bal.pick(bs, req()).id for _ in range(6)] == ["a", "b", "c", "a", "b", "c"]
+
+
+def test_random_spreads_over_every_candidate():
+    bal = make_balancer("random", rng=random.Random(3))
+    bs = backends("a", "b", "c")
+    assert {bal.pick(bs, req()).id for _ in range(60)} == {"a", "b", "c"}
+
+
+def test_in_flight_is_reserved_on_dispatch_and_released_once():
+    for name in POLICIES:
+        bal = make_balancer(name)
+        (a,) = backends("a")
+        r = req()
+        bal.dispatched(a, r)
+        assert a.in_flight == 1, name
+        bal.completed(a, r, Outcome(status=200, ok=True))
+        assert a.in_flight == 0, name
+
+
+# -- the expected-latency formula ---------------------------------------------------------------------
+
+def test_empty_backend_latency_is_prefill_plus_lone_decode():
+    bal = mel()
+    (a,) = backends("a")
+    lat, depth = bal.explain([a], req(prompt=1000, out=100))["a"]
+    assert depth == 0
+    assert lat == pytest.approx(RHO0 * SIGMA0 * 1000 + SIGMA0 * (1 + GAMMA0) * 100)
+
+
+@pytest.mark.parametrize(
+    "ahead_outs, d, shared",
+    [
+        ([], 100, 0),
+        ([1000], 100, 100),  # a long request ahead slows all of r's 100 steps
+        ([10, 10, 10], 100, 30),  # three short ones slow only their 10 steps each
+        ([50, 500], 100, 150),
+    ],
+)
+def test_batch_mates_cost_the_steps_they_share_with_the_request(ahead_outs, d, shared):
+    clock = Clock()
+    bal = mel(clock)
+    (a,) = backends("a")
+    for out in ahead_outs:
+        r = req(prompt=1, out=out, stream=True)
+        bal.dispatched(a, r)
+        bal.first_byte(a, r, 0.0)
+    lat, _ = bal.explain([a], req(prompt=1, out=d))["a"]
+    rho = bal.rho
+    assert lat == pytest.approx(rho * SIGMA0 * 1 + SIGMA0 * (1 + GAMMA0) * d + SIGMA0 * GAMMA0 * shared)
+
+
+def test_decoded_tokens_of_running_requests_are_no_longer_counted():
+    clock = Clock()
+    bal = mel(clock)
+    (a,) = backends("a")
+    r = req(prompt=1, out=1000, stream=True)
+    bal.dispatched(a, r)
+    bal.first_byte(a, r, 0.0)
+    step = SIGMA0 * (1 + GAMMA0 * 1)
+    clock.t += 950 * step  # 950 of its 1000 tokens are out
+    lat, _ = bal.explain([a], req(prompt=1, out=100))["a"]
+    assert lat == pytest.approx(bal.rho * SIGMA0 + SIGMA0 * (1 + GAMMA0) * 100 + SIGMA0 * GAMMA0 * 50)
+
+
+def pick_case(setup) -> str:
+    clock = Clock()
+    bal = mel(clock, affinity_min_tokens=64)
+    bs = {b.id: b for b in backends("a", "b", "c")}
+    new = setup(bal, bs, clock)
+    return bal.pick(list(bs.values()), new).id
+
+
+def _fast_vs_slow(bal, bs, clock):
+    set_sigma(bal, bs["a"], 0.01)
+    set_sigma(bal, bs["b"], 0.04)
+    set_sigma(bal, bs["c"], 0.04)
+    return req()
+
+
+def _fast_is_saturated(bal, bs, clock):
+    set_sigma(bal, bs["a"], 0.01)
+    set_sigma(bal, bs["b"], 0.02)
+    set_sigma(bal, bs["c"], 0.04)
+    load(bal, bs["a"], 200)  # 1.01 + 0.01*0.01*200*100 = 3.01 s > b's 2.02 s
+    return req()
+
+
+def _tokens_not_requests(bal, bs, clock):
+    load(bal, bs["a"], 1, out=1000)  # one long request
+    load(bal, bs["b"], 3, out=10)  # three short ones
+    load(bal, bs["c"], 2, out=1000)
+    return req(out=100)
+
+
+def _new_backend_is_not_starved(bal, bs, clock):
+    set_sigma(bal, bs["a"], 0.02)
+    set_sigma(bal, bs["b"], 0.02)
+    load(bal, bs["a"], 5)
+    load(bal, bs["b"], 5)
+    return req()  # c has no history: it starts at the fleet's 0.02, and it is idle
+
+
+def _affinity_within_bound(bal, bs, clock):
+    keys = prefix_keys("s" * 2000)
+    for b in ("b", "c"):
+        load(bal, bs[b], 1, out=10)
+    r = req(prompt=600, keys=keys)
+    bal.dispatched(bs["a"], r)
+    bal.first_byte(bs["a"], r, 0.0)
+    bal.completed(bs["a"], r, Outcome(status=200, ok=True))
+    load(bal, bs["a"], 2, out=10)  # a: slightly busier than b and c, but it holds the 500-token prefix
+    return req(prompt=600, keys=keys)
+
+
+def _load_wins_over_affinity(bal, bs, clock):
+    keys = prefix_keys("s" * 2000)
+    r = req(prompt=600, keys=keys)
+    bal.dispatched(bs["a"], r)
+    bal.completed(bs["a"], r, Outcome(status=200, ok=True))
+    load(bal, bs["a"], 100, out=200)  # a is far busier than the bound allows
+    return req(prompt=600, keys=keys)
+
+
+def _returning_backend_ramps_up(bal, bs, clock):
+    bal.config = BalancerConfig(slow_start=30.0)
+    load(bal, bs["a"], 3)
+    load(bal, bs["b"], 3)
+    bs["c"].returned_at = clock.t - 3.0  # back 3 s ago: weight 0.1, so it looks 10x slower while empty
+    return req()
+
+
+def _returned_backend_after_the_window_gets_work(bal, bs, clock):
+    bal.config = BalancerConfig(slow_start=30.0)
+    load(bal, bs["a"], 3)
+    load(bal, bs["b"], 3)
+    bs["c"].returned_at = clock.t - 31.0
+    return req()
+
+
+def _kv_pressure(bal, bs, clock):
+    for b, kv in (("a", 0.97), ("b", 0.2), ("c", 0.3)):
+        bs[b].stats["signals"] = Signals(kv_usage=kv, scraped_at=clock.t)
+    return req()
+
+
+def _stale_kv_is_ignored(bal, bs, clock):
+    bs["a"].stats["signals"] = Signals(kv_usage=0.97, scraped_at=clock.t - 60)
+    set_sigma(bal, bs["a"], 0.01)
+    set_sigma(bal, bs["b"], 0.02)
+    set_sigma(bal, bs["c"], 0.02)
+    return req()
+
+
+def _full_batch_means_waiting(bal, bs, clock):
+    set_sigma(bal, bs["a"], 0.01)
+    set_sigma(bal, bs["b"], 0.02)
+    set_sigma(bal, bs["c"], 0.04)
+    bal._model(bs["a"]).slots = 2
+    load(bal, bs["a"], 2, out=1000)  # both slots busy for ~10 s
+    return req()
+
+
+def _others_load_from_metrics(bal, bs, clock):
+    set_sigma(bal, bs["a"], 0.01)
+    set_sigma(bal, bs["b"], 0.015)
+    set_sigma(bal, bs["c"], 0.04)
+    # another gateway put 150 sequences on a: the gauges show them, this gateway has none there
+    bal.observe_signals(bs["a"], Signals(running=150, scraped_at=clock.t), changed=True)
+    return req()
+
+
+@pytest.mark.parametrize(
+    "setup, expected",
+    [
+        (_fast_vs_slow, "a"),
+        (_fast_is_saturated, "b"),
+        (_tokens_not_requests, "b"),
+        (_new_backend_is_not_starved, "c"),
+        (_affinity_within_bound, "a"),
+        (_load_wins_over_affinity, "b|c"),
+        (_returning_backend_ramps_up, "a|b"),
+        (_returned_backend_after_the_window_gets_work, "c"),
+        (_kv_pressure, "b"),
+        (_stale_kv_is_ignored, "a"),
+        (_full_batch_means_waiting, "b"),
+        (_others_load_from_metrics, "b"),
+    ],
+    ids=lambda v: v.__name__.strip("_") if callable(v) else None,
+)
+def test_min_expected_latency_picks(setup, expected):
+    assert pick_case(setup) in expected.split("|")
+
+
+def test_least_in_flight_counts_requests_where_expected_latency_counts_tokens():
+    """The contrast the model exists for: one long request ahead vs three short ones."""
+    lif = make_balancer("least_in_flight")
+    a, b = backends("a", "b")
+    load(lif, a, 1, out=1000)
+    load(lif, b, 3, out=10)
+    assert lif.pick([a, b], req(out=100)).id == "a"
+    assert pick_case(_tokens_not_requests) == "b"
+
+
+def test_new_backend_starts_from_the_fleet_average_speed():
+    bal = mel()
+    a, b, c = backends("a", "b", "c")
+    set_sigma(bal, a, 0.01)
+    set_sigma(bal, b, 0.03)
+    fleet = bal.fleet_sigma([a, b, c])
+    assert fleet == pytest.approx(0.02)
+    assert bal.sigma(c, fleet) == pytest.approx(0.02)
+    assert bal.fleet_sigma(backends("x")) == SIGMA0  # nobody has history: the prior
+
+
+def test_ties_break_at_random():
+    seen = set()
+    for seed in range(30):
+        bal = mel(seed=seed)
+        seen.add(bal.pick(backends("a", "b", "c"), req()).id)
+    assert seen == {"a", "b", "c"}
+
+
+def test_pick_then_dispatch_reserves_the_work_so_a_burst_spreads():
+    bal = mel()
+    bs = backends("a", "b", "c", "d")
+    for _ in range(40):
+        r = req(out=100)
+        bal.dispatched(bal.pick(bs, r), r)
+    assert sorted(b.in_flight for b in bs) == [10, 10, 10, 10]
+
+
+def test_completed_twice_releases_once_and_a_retry_moves_the_reservation():
+    bal = mel()
+    a, b = backends("a", "b")
+    r = req()
+    bal.dispatched(a, r)
+    bal.completed(a, r, Outcome(status=0, ok=False))
+    bal.completed(a, r, Outcome(status=0, ok=False))
+    assert a.in_flight == 0 and not bal._model(a).inflight
+    bal.dispatched(b, r)  # the router's retry: same RequestInfo, another backend
+    assert b.in_flight == 1 and len(bal._model(b).inflight) == 1
+    bal.completed(b, r, Outcome(status=200, ok=True, completion_tokens=5, duration=0.1))
+    assert b.in_flight == 0
+
+
+def test_failed_requests_teach_nothing():
+    clock = Clock()
+    bal = mel(clock)
+    (a,) = backends("a")
+    r = req(out=100)
+    bal.dispatched(a, r)
+    clock.t += 100.0
+    bal.completed(a, r, Outcome(status=502, ok=False, duration=100.0, completion_tokens=100))
+    assert bal._model(a).sx == 0.0
+    assert bal._sizes("m").fill == 1.0
+
+
+def _run_batches(bal, clock, true_sigma: dict[Backend, float], gamma: float, rounds: int, seed: int = 0) -> None:
+    """Feed completions shaped like the simulator: n requests decoding together, k tokens each."""
+    rnd = random.Random(seed)
+    bs = list(true_sigma)
+    for i in range(rounds):
+        b = bs[i % len(bs)]
+        n, k = rnd.randint(1, 40), rnd.randint(20, 200)
+        rs = [req(prompt=100, out=k, stream=True) for _ in range(n)]
+        for r in rs:
+            bal.dispatched(b, r)
+        clock.t += 0.01
+        for r in rs:
+            bal.first_byte(b, r, 0.01)
+        clock.t += (k - 1) * true_sigma[b] * (1 + gamma * n)
+        for r in rs:
+            bal.completed(b, r, Outcome(status=200, ok=True, ttft=0.01, prompt_tokens=100, completion_tokens=k))
+        clock.t += 1.0
+
+
+def test_speed_and_batch_slowdown_are_learnt_from_completions():
+    clock = Clock()
+    bal = mel(clock)
+    fast, slow = backends("fast", "slow")
+    _run_batches(bal, clock, {fast: 0.0025, slow: 0.01}, gamma=0.02, rounds=200)
+    fleet = bal.fleet_sigma([fast, slow])
+    assert bal.sigma(fast, fleet) == pytest.approx(0.0025, rel=0.1)
+    assert bal.sigma(slow, fleet) == pytest.approx(0.01, rel=0.1)
+    assert bal.gamma == pytest.approx(0.02, rel=0.2)
+
+
+def test_output_length_is_learnt_from_usage():
+    bal = mel()
+    (a,) = backends("a")
+    for _ in range(200):
+        r = RequestInfo(model="m", prompt_tokens=100, max_tokens=1000)
+        bal.dispatched(a, r)
+        bal.completed(a, r, Outcome(status=200, ok=True, prompt_tokens=200, completion_tokens=250))
+        r = RequestInfo(model="m", prompt_tokens=100)
+        bal.dispatched(a, r)
+        bal.completed(a, r, Outcome(status=200, ok=True, prompt_tokens=200, completion_tokens=40))
+    sizes = bal._sizes("m")
+    assert sizes.output(RequestInfo(model="m", max_tokens=1000)) == pytest.approx(250, rel=0.05)
+    assert sizes.output(RequestInfo(model="m")) == pytest.approx(40, rel=0.05)
+    assert sizes.prompt(RequestInfo(model="m", prompt_tokens=100)) == pytest.approx(200, rel=0.05)
+    assert sizes.output(RequestInfo(model="m", max_tokens=10)) <= 10
+
+
+def test_external_load_is_what_the_gauges_show_beyond_our_own():
+    clock = Clock()
+    bal = mel(clock)
+    (a,) = backends("a")
+    load(bal, a, 5)
+    bal.observe_signals(a, Signals(running=4, waiting=0, scraped_at=clock.t), changed=True)
+    assert bal._model(a).ext == 0  # fewer than ours: nobody else is there
+    bal.observe_signals(a, Signals(running=12, waiting=3, scraped_at=clock.t), changed=True)
+    assert bal._model(a).ext == 10
+    assert bal._model(a).slots == 12  # a queue with 12 running: 12 batch slots
+    bal.observe_signals(a, Signals(running=12, waiting=3, scraped_at=clock.t - 100), changed=False)
+    assert bal._model(a).ext == 0  # stale gauges count for nothing
+
+
+# -- least_load (SGLang's formula) ---------------------------------------------------------------------
+
+def test_least_load_credits_dispatched_tokens_until_the_gauges_change():
+    clock = Clock()
+    bal = make_balancer("least_load", clock=clock)
+    assert isinstance(bal, LeastLoad)
+    a, b = backends("a", "b")
+    for x in (a, b):
+        bal.observe_signals(x, Signals(scraped_at=clock.t, token_rate=1000.0), changed=True)
+        x.stats["signals"] = Signals(scraped_at=clock.t)
+    r = req(prompt=500, out=500)
+    assert bal.pick([a, b], r) in (a, b)
+    bal.dispatched(a, r)
+    assert bal.pick([a, b], req()).id == "b"  # a carries 1000 dispatched tokens
+    a.stats["signals"] = Signals(running=0, scraped_at=clock.t)
+    bal.observe_signals(a, a.stats["signals"], changed=False)
+    assert bal.pick([a, b], req()).id == "b"  # same gauges: still credited
+    bal.observe_signals(a, a.stats["signals"], changed=True)
+    assert a.stats["ll_dispatched"] == 0.0
+
+
+def test_least_load_score_follows_sglang_formula():
+    clock = Clock()
+    bal = make_balancer("least_load", clock=clock)
+    a, b = backends("a", "b")
+    bal.observe_signals(a, Signals(token_rate=2000.0), changed=True)
+    bal.observe_signals(b, Signals(token_rate=1000.0), changed=True)
+    a.stats["signals"] = Signals(running=3, waiting=1, kv_usage=0.5, scraped_at=clock.t)  # 4*512/2000 + 0.15 = 1.174
+    b.stats["signals"] = Signals(running=1, waiting=0, kv_usage=0.0, scraped_at=clock.t)  # 512/1000 = 0.512
+    assert bal.pick([a, b], req()).id == "b"
+    b.stats["signals"] = Signals(running=2, waiting=0, kv_usage=0.0, scraped_at=clock.t)  # 1.024
+    a.stats["signals"] = Signals(running=3, waiting=1, kv_usage=0.0, scraped_at=clock.t)  # 1.024: a tie, then 0.15 kv
+    a.stats["signals"].kv_usage = 0.1
+    assert bal.pick([a, b], req()).id == "b"
+    a.stats["signals"].kv_usage = 0.0
+    a.stats["signals"].running = 2
+    assert bal.pick([a, b], req()).id == "a"
+
+
+# -- prefix keys ---------------------------------------------------------------------------------
+
+SYSTEM = "You are a meticulous assistant. " * 40  # 1280 chars
+
+
+@pytest.mark.parametrize(
+    "body_a, body_b, shared",
+    [
+        # same system prompt, different questions: the system prompt's blocks are shared
+        ({"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "a?"}]},
+         {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "b?"}]}, 5),
+        # different system prompts: nothing shared
+        ({"messages": [{"role": "system", "content": SYSTEM}]},
+         {"messages": [{"role": "system", "content": SYSTEM.upper()}]}, 0),
+        # the same text under another role is another prompt
+        ({"messages": [{"role": "system", "content": SYSTEM}]},
+         {"messages": [{"role": "user", "content": SYSTEM}]}, 0),
+        # completions prompt
+        ({"prompt": SYSTEM + "x"}, {"prompt": SYSTEM + "y"}, 5),
+        # content parts count like strings
+        ({"messages": [{"role": "system", "content": [{"type": "text", "text": SYSTEM}]}, {"role": "user", "content": "q"}]},
+         {"messages": [{"role": "system", "content": [{"type": "text", "text": SYSTEM}]}, {"role": "user", "content": "r"}]}, 5),
+        # Anthropic's system field comes first
+        ({"system": SYSTEM, "messages": [{"role": "user", "content": "a"}]},
+         {"system": SYSTEM, "messages": [{"role": "user", "content": "b"}]}, 5),
+        # two different images at the same place: the prefix stops there
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 900}}, {"type": "text", "text": SYSTEM}]}]},
+         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + "B" * 900}}, {"type": "text", "text": SYSTEM}]}]}, 0),
+    ],
+)
+def test_requests_sharing_a_prompt_prefix_share_leading_keys(body_a, body_b, shared):
+    ka = request_info("m", body_a).prefix_keys
+    kb = request_info("m", body_b).prefix_keys
+    common = 0
+    for x, y in zip(ka, kb):
+        if x != y:
+            break
+        common += 1
+    assert common == shared
+
+
+def test_short_prompts_have_no_prefix_keys_and_long_ones_are_capped():
+    assert request_info("m", {"messages": [{"role": "user", "content": "hi"}]}).prefix_keys == ()
+    long = request_info("m", {"prompt": "z" * 100_000})
+    assert len(long.prefix_keys) == len(BOUNDARIES)
+    assert long.prompt_tokens == 25_001  # the estimate still counts the whole prompt
+    head, chars = scan_prompt({"messages": [{"role": "user", "content": "y" * 50_000}] * 3})
+    assert len(head) == MAX_PREFIX_CHARS and chars == 150_000
+
+
+def test_request_info_reads_stream_and_max_tokens():
+    r = request_info("m", {"stream": True, "max_completion_tokens": 7, "messages": []})
+    assert (r.stream, r.max_tokens) == (True, 7)
+    assert request_info("m", {"stream": "yes", "max_tokens": True}).stream is False
+    assert request_info("m", {"max_tokens": True}).max_tokens is None
+    assert request_info("m", {"max_tokens": -3}).max_tokens is None
+
+
+def test_prefix_memory_is_bounded_and_forgets_after_its_ttl():
+    mem = PrefixMemory(capacity=8, ttl=10.0)
+    keys = prefix_keys("q" * MAX_PREFIX_CHARS)
+    mem.add(keys[:3], now=0.0)
+    assert mem.depth(keys, now=5.0) == 3
+    assert key_tokens(3) == BOUNDARIES[2] // 4
+    assert mem.depth(keys, now=11.0) == 0
+    mem.add(keys, now=20.0)
+    assert len(mem) == 8  # the oldest keys were dropped
+    assert mem.depth(keys, now=20.0) == len(keys)
