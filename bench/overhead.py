@@ -2,13 +2,14 @@
 
 Targets, all against the same very fast fake backend (bench/fake_backend.py):
   direct            the backend itself: the limit
-  gateway           auth, path/body/media policy, balancer, aiohttp transport (the default)
-  gateway[httpx]    the same with httpx's own connection pool, for comparison
+  gateway                  auth, path/body/media policy, balancer, aiohttp used directly (the default)
+  gateway[httpx-aiohttp]   the same over httpx with the aiohttp transport of httpx-aiohttp
+  gateway[httpx]           the same with httpx's own connection pool
   lmdeploy-proxy    `lmdeploy serve proxy`, when lmdeploy is installed
 
 Load comes from wrk (Debian package `wrk`), at concurrency 1 and 32, non-streaming and streaming.
 
-    python bench/overhead.py [--duration 5] [--targets direct,gateway,gateway[httpx]]
+    python bench/overhead.py [--duration 5] [--targets direct,gateway,gateway[httpx-aiohttp],gateway[httpx]]
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def wrk(url: str, concurrency: int, duration: float, body: bytes, key: str | Non
     try:
         threads = 1 if concurrency == 1 else 2
         out = subprocess.run(
-            ["wrk", f"-t{threads}", f"-c{concurrency}", f"-d{duration}s", "--timeout", "10s", "-s", script, url],
+            ["wrk", f"-t{threads}", f"-c{concurrency}", f"-d{max(1, int(duration))}s", "--timeout", "10s", "-s", script, url],
             capture_output=True, text=True, timeout=duration + 60,
         ).stdout
     finally:
@@ -108,7 +109,7 @@ def gateway_config(path: Path, backend_port: int, key_hash: str, transport: str)
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--duration", type=float, default=5.0, help="seconds per measurement")
-    ap.add_argument("--targets", default="direct,gateway,gateway[httpx],lmdeploy-proxy")
+    ap.add_argument("--targets", default="direct,gateway,gateway[httpx-aiohttp],gateway[httpx],lmdeploy-proxy")
     ap.add_argument("--concurrency", default="1,32")
     args = ap.parse_args()
     if shutil.which("wrk") is None:
@@ -132,7 +133,7 @@ def main() -> None:
                 if target == "direct":
                     url, k = f"http://127.0.0.1:{backend_port}/v1/chat/completions", None
                 elif target.startswith("gateway"):
-                    transport = "httpx" if target == "gateway[httpx]" else "aiohttp"
+                    transport = target[len("gateway["):-1] if "[" in target else "aiohttp"
                     port = free_port()
                     cfg = tmp / f"{transport}.yaml"
                     gateway_config(cfg, backend_port, hash_key(key), transport)
@@ -155,12 +156,12 @@ def main() -> None:
                         wrk(url, c, 1.0, b, k)  # warm-up: connections, caches
                         r = wrk(url, c, args.duration, b, k)
                         rows.append((target, mode, c, r))
-                        print(f"  {target:16} {mode:6} c={c:<3} {r['rps']:9.0f} req/s  p50 {r['p50_ms']:.3f} ms  p99 {r['p99_ms']:.3f} ms  errors {r['errors']}", flush=True)
+                        print(f"  {target:22} {mode:6} c={c:<3} {r['rps']:9.0f} req/s  p50 {r['p50_ms']:.3f} ms  p99 {r['p99_ms']:.3f} ms  errors {r['errors']}", flush=True)
     base = {(m, c): r for t, m, c, r in rows if t == "direct"}
-    print(f"\n{'target':16} {'mode':6} {'conc':>4} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10} {'errors':>6}")
+    print(f"\n{'target':22} {'mode':6} {'conc':>4} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10} {'errors':>6}")
     for t, m, c, r in rows:
         added = r["p50_ms"] - base[(m, c)]["p50_ms"] if (m, c) in base else float("nan")
-        print(f"{t:16} {m:6} {c:>4} {r['rps']:9.0f} {r['p50_ms']:8.3f} {r['p99_ms']:8.3f} {added:10.3f} {r['errors']:6d}")
+        print(f"{t:22} {m:6} {c:>4} {r['rps']:9.0f} {r['p50_ms']:8.3f} {r['p99_ms']:8.3f} {added:10.3f} {r['errors']:6d}")
     print(f"\n{os.cpu_count()} CPU cores; load generator, backend and gateway share them.")
 
 

@@ -15,6 +15,7 @@ from prometheus_client import generate_latest
 
 from . import metrics
 from .config import GatewayConfig
+from .errors import Refusal
 from .filters import RequestContext
 from .filters.auth import ApiKeyAuth
 from .filters.body import BodyPolicy
@@ -23,9 +24,11 @@ from .listener import Listener, Send, send_json
 from .routing.balancer import make_balancer
 from .routing.pool import Backend, BackendPool
 from .routing.router import Router
-from .upstream import Upstream, make_client
+from .upstream import Upstream, make_client, make_upstream
 
 log = logging.getLogger("gateway")
+
+METRICS_FORBIDDEN = Refusal(403, "This API key may not read the gateway's metrics (it needs `admin: true`).", "not_admin", code="permission_denied")
 
 
 def _media_policy(config: GatewayConfig) -> Any:
@@ -46,6 +49,7 @@ class Gateway:
         self.body = BodyPolicy(config.limits)
         self.media = _media_policy(config)
         self.upstream: Upstream | None = None
+        self.control_client: Any = None
         self.router: Router = None  # type: ignore[assignment]  # built in startup, needs a loop
         self.launcher: Any = None
         self.extra_tasks: list[Any] = []
@@ -71,10 +75,11 @@ class Gateway:
     async def startup(self) -> None:
         if self.config.auth.disabled:
             log.warning("AUTHENTICATION IS DISABLED (auth.disabled: true): anyone who can reach this port can use every backend")
-        client = make_client(self.config.timeouts, self.config.upstream.max_connections, self.config.upstream.transport)
-        self.upstream = Upstream(client, self.config.timeouts)
+        up = self.config.upstream
+        self.upstream = make_upstream(up.transport, self.config.timeouts, up.max_connections)
         self.router.upstream = self.upstream
-        self.pool.start(client)
+        self.control_client = make_client(self.config.timeouts)  # health checks and metrics scraping
+        self.pool.start(self.control_client)
         if self.config.launch:
             from .launcher import Launcher  # imported lazily: a gateway with only remote backends needs none of it
 
@@ -89,6 +94,8 @@ class Gateway:
         await self.pool.stop()
         if self.upstream is not None:
             await self.upstream.aclose()
+        if self.control_client is not None:
+            await self.control_client.aclose()
 
     # -- routes answered by the gateway itself ----------------------------------------------------
     async def answer_local(self, ctx: RequestContext, send: Send) -> None:
@@ -109,6 +116,9 @@ class Gateway:
                 {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "lmdeploy-gateway"} for m in models]},
             )
         elif kind == "metrics":
+            if ctx.key is not None and not ctx.key.admin:
+                await self.asgi()._refuse(send, METRICS_FORBIDDEN, "openai")
+                return
             for b in self.pool:
                 metrics.IN_FLIGHT.labels(backend=b.id).set(b.in_flight)
                 metrics.BACKEND_HEALTHY.labels(backend=b.id).set(1 if b.available(_now()) else 0)

@@ -1,9 +1,17 @@
 """The pooled upstream client and the byte-level relay of responses.
 
-One ``httpx.AsyncClient`` per process over the aiohttp transport (the plain httpx pool
-collapses under concurrency; see bench/overhead.py). The URL is always a backend base plus a
-constant route path. Timeouts: connect, first byte (response headers, and for streams the first
-body chunk) and idle between chunks. Streams are relayed chunk by chunk as they arrive.
+One client per process, chosen by ``upstream.transport`` and measured side by side in
+``bench/overhead.py``:
+
+- ``aiohttp`` (default): an aiohttp ``ClientSession`` used directly, with the request URL of each
+  (backend, route) pair built once. The leanest hot path.
+- ``httpx-aiohttp``: an ``httpx.AsyncClient`` over the aiohttp transport of ``httpx-aiohttp``.
+- ``httpx``: httpx with its own connection pool, which collapses under concurrency; kept only so
+  the benchmark can show it.
+
+The URL is always a backend base plus a constant route path. Timeouts: connect, first byte
+(response headers, and the first body chunk) and idle between chunks. Streams are relayed
+chunk by chunk as they arrive, never re-framed.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from typing import AsyncIterator
 import aiohttp
 import httpx
 from httpx_aiohttp import AiohttpTransport
+from yarl import URL
 
 from .config import TimeoutsConfig
 
@@ -27,6 +36,8 @@ else:  # pragma: no cover - Python 3.10
 FORWARD_REQUEST_HEADERS = (b"accept", b"anthropic-version", b"anthropic-beta")
 # Response headers a client may see from a backend.
 FORWARD_RESPONSE_HEADERS = frozenset((b"content-type", b"retry-after"))
+TRANSPORTS = ("aiohttp", "httpx-aiohttp", "httpx")
+_KEEPALIVE = 4.0  # below uvicorn's 5 s default, so we close idle sockets before the backend does
 
 
 class UpstreamTimeout(Exception):
@@ -35,53 +46,61 @@ class UpstreamTimeout(Exception):
         self.phase = phase  # "connect", "first_byte" or "idle"
 
 
-def make_client(timeouts: TimeoutsConfig, max_connections: int = 4096, transport_name: str = "aiohttp") -> httpx.AsyncClient:
-    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections, keepalive_expiry=4.0)
-    common = dict(
-        timeout=httpx.Timeout(connect=timeouts.connect, read=None, write=None, pool=timeouts.connect),
-        headers={"accept-encoding": "identity", "user-agent": "lmdeploy-gateway"},
-        follow_redirects=False,
-        trust_env=False,
-    )
-    if transport_name == "httpx":
-        return httpx.AsyncClient(limits=limits, **common)  # type: ignore[arg-type]
+class UpstreamFailure(Exception):
+    """No (complete) answer: ``connect_refused`` (nothing was sent) or ``reset``."""
 
-    def session() -> aiohttp.ClientSession:
-        # keepalive below uvicorn's 5 s default, so we close idle sockets before the backend does.
-        connector = aiohttp.TCPConnector(limit=max_connections, limit_per_host=0, keepalive_timeout=4.0, ttl_dns_cache=300)
-        return aiohttp.ClientSession(connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",))
+    def __init__(self, kind: str):
+        super().__init__(kind)
+        self.kind = kind
 
-    transport = AiohttpTransport(limits=limits, client=session, trust_env=False)
-    return httpx.AsyncClient(transport=transport, **common)  # type: ignore[arg-type]
+
+class UpstreamResponse:
+    """What the router needs of a response, whatever the transport."""
+
+    __slots__ = ("status", "headers", "_chunks", "_close")
+
+    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], chunks, close):
+        self.status = status
+        self.headers = headers  # only the allow-listed ones, lower-case names
+        self._chunks = chunks
+        self._close = close
+
+    @property
+    def is_event_stream(self) -> bool:
+        for k, v in self.headers:
+            if k == b"content-type":
+                return v.startswith(b"text/event-stream")
+        return False
+
+    def chunks(self) -> AsyncIterator[bytes]:
+        return self._chunks()
+
+    async def aclose(self) -> None:
+        await self._close()
 
 
 class Upstream:
-    def __init__(self, client: httpx.AsyncClient, timeouts: TimeoutsConfig):
-        self.client = client
+    """Base: the deadline logic is shared; subclasses provide raw send and raw chunks."""
+
+    def __init__(self, timeouts: TimeoutsConfig):
         self.timeouts = timeouts
 
-    async def open(self, url: str, payload: bytes, headers: list[tuple[bytes, bytes]]) -> httpx.Response:
-        """POST and return once response headers arrived; UpstreamTimeout past the first-byte deadline."""
-        request = self.client.build_request("POST", url, content=payload, headers=headers)
+    async def open(self, url: str, payload: bytes, headers: list[tuple[bytes, bytes]]) -> UpstreamResponse:
+        """POST; return once response headers arrived. Raises UpstreamTimeout or UpstreamFailure."""
         try:
             async with _timeout(self.timeouts.first_byte):
-                return await self.client.send(request, stream=True)
+                return await self._send(url, payload, headers)
         except TimeoutError:
             raise UpstreamTimeout("first_byte") from None
-        except httpx.ConnectTimeout as exc:
-            # The aiohttp transport maps every ClientConnectionError here; only a real timeout is one.
-            if isinstance(exc.__cause__, (aiohttp.ServerTimeoutError, asyncio.TimeoutError)):
-                raise UpstreamTimeout("connect") from None
-            raise
 
-    async def chunks(self, response: httpx.Response) -> AsyncIterator[bytes]:
-        """Body chunks as they arrive; the first within the first-byte deadline, then idle-bounded.
+    async def _bounded(self, raw: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """Chunks, the first within the first-byte deadline, then each within the idle deadline.
 
-        The deadline covers only the wait for the backend, never the time a slow client takes to
+        A deadline covers only the wait for the backend, never the time a slow client takes to
         accept what we already relayed.
         """
-        it = response.aiter_raw().__aiter__()
         limit, phase = self.timeouts.first_byte, "first_byte"
+        it = raw.__aiter__()
         while True:
             try:
                 async with _timeout(limit):
@@ -94,19 +113,124 @@ class Upstream:
             if chunk:
                 yield chunk
 
-    async def read_all(self, response: httpx.Response) -> bytes:
-        parts = [c async for c in self.chunks(response)]
+    async def read_all(self, response: UpstreamResponse) -> bytes:
+        parts = [c async for c in response.chunks()]
         return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    async def _send(self, url: str, payload: bytes, headers: list[tuple[bytes, bytes]]) -> UpstreamResponse:
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        raise NotImplementedError
+
+
+class AiohttpUpstream(Upstream):
+    def __init__(self, timeouts: TimeoutsConfig, max_connections: int):
+        super().__init__(timeouts)
+        connector = aiohttp.TCPConnector(limit=max_connections, limit_per_host=0, keepalive_timeout=_KEEPALIVE, ttl_dns_cache=300)
+        self.session = aiohttp.ClientSession(
+            connector=connector,
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent", "Accept-Encoding"),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect, connect=timeouts.connect),
+            cookie_jar=aiohttp.DummyCookieJar(),
+        )
+        self._urls: dict[str, URL] = {}
+
+    async def _send(self, url: str, payload: bytes, headers: list[tuple[bytes, bytes]]) -> UpstreamResponse:
+        u = self._urls.get(url)
+        if u is None:
+            u = self._urls[url] = URL(url, encoded=True)  # our own constant: no normalisation needed
+        hdrs = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers]
+        try:
+            resp = await self.session.request("POST", u, data=payload, headers=hdrs, allow_redirects=False)
+        except aiohttp.ClientConnectorError as exc:
+            if isinstance(exc.__cause__, asyncio.TimeoutError) or isinstance(exc, aiohttp.ConnectionTimeoutError):
+                raise UpstreamTimeout("connect") from None
+            raise UpstreamFailure("connect_refused") from None
+        except (aiohttp.ConnectionTimeoutError, aiohttp.ServerTimeoutError):
+            raise UpstreamTimeout("connect") from None
+        except (aiohttp.ClientError, OSError):
+            raise UpstreamFailure("reset") from None
+
+        async def raw() -> AsyncIterator[bytes]:
+            try:
+                while True:
+                    chunk = await resp.content.readany()
+                    if not chunk:
+                        return
+                    yield chunk
+            except (aiohttp.ClientError, OSError):
+                raise UpstreamFailure("reset") from None
+
+        async def close() -> None:
+            if resp.content.at_eof():
+                resp.release()
+            else:
+                resp.close()  # drop the connection: the backend sees its client leave and stops generating
+
+        headers_out = [(k.lower(), v) for k, v in resp.raw_headers if k.lower() in FORWARD_RESPONSE_HEADERS]
+        return UpstreamResponse(resp.status, headers_out, lambda: self._bounded(raw()), close)
+
+    async def aclose(self) -> None:
+        await self.session.close()
+
+
+class HttpxUpstream(Upstream):
+    def __init__(self, client: httpx.AsyncClient, timeouts: TimeoutsConfig):
+        super().__init__(timeouts)
+        self.client = client
+
+    async def _send(self, url: str, payload: bytes, headers: list[tuple[bytes, bytes]]) -> UpstreamResponse:
+        request = self.client.build_request("POST", url, content=payload, headers=headers)
+        try:
+            resp = await self.client.send(request, stream=True)
+        except httpx.ConnectError:
+            raise UpstreamFailure("connect_refused") from None
+        except httpx.ConnectTimeout as exc:
+            # The aiohttp transport maps every ClientConnectionError here; only a real timeout is one.
+            cause = exc.__cause__
+            if cause is None or isinstance(cause, (aiohttp.ServerTimeoutError, asyncio.TimeoutError)):
+                raise UpstreamTimeout("connect") from None
+            raise UpstreamFailure("connect_refused" if isinstance(cause, aiohttp.ClientConnectorError) else "reset") from None
+        except httpx.TransportError:
+            raise UpstreamFailure("reset") from None
+
+        async def raw() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in resp.aiter_raw():
+                    yield chunk
+            except httpx.TransportError:
+                raise UpstreamFailure("reset") from None
+
+        headers_out = [(k.lower(), v) for k, v in resp.headers.raw if k.lower() in FORWARD_RESPONSE_HEADERS]
+        return UpstreamResponse(resp.status_code, headers_out, lambda: self._bounded(raw()), resp.aclose)
 
     async def aclose(self) -> None:
         await self.client.aclose()
 
 
-def response_headers(response: httpx.Response) -> list[tuple[bytes, bytes]]:
-    return [(k.lower(), v) for k, v in response.headers.raw if k.lower() in FORWARD_RESPONSE_HEADERS]
+def make_client(timeouts: TimeoutsConfig, max_connections: int = 256, transport_name: str = "httpx-aiohttp") -> httpx.AsyncClient:
+    """An httpx client (health checks, metrics scraping, and the httpx transports above)."""
+    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections, keepalive_expiry=_KEEPALIVE)
+    common = dict(
+        timeout=httpx.Timeout(connect=timeouts.connect, read=None, write=None, pool=timeouts.connect),
+        headers={"accept-encoding": "identity", "user-agent": "lmdeploy-gateway"},
+        follow_redirects=False,
+        trust_env=False,
+    )
+    if transport_name == "httpx":
+        return httpx.AsyncClient(limits=limits, **common)  # type: ignore[arg-type]
+
+    def session() -> aiohttp.ClientSession:
+        connector = aiohttp.TCPConnector(limit=max_connections, limit_per_host=0, keepalive_timeout=_KEEPALIVE, ttl_dns_cache=300)
+        return aiohttp.ClientSession(connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",))
+
+    transport = AiohttpTransport(limits=limits, client=session, trust_env=False)
+    return httpx.AsyncClient(transport=transport, **common)  # type: ignore[arg-type]
 
 
-def is_event_stream(response: httpx.Response) -> bool:
-    return response.headers.get("content-type", "").startswith("text/event-stream")
-
-
+def make_upstream(transport: str, timeouts: TimeoutsConfig, max_connections: int) -> Upstream:
+    if transport == "aiohttp":
+        return AiohttpUpstream(timeouts, max_connections)
+    return HttpxUpstream(make_client(timeouts, max_connections, transport), timeouts)

@@ -118,7 +118,7 @@ class TestKeys:
         self.alice = new_key()
         self.bob = new_key()  # restricted to one model
         self.entries = [
-            {"name": "alice", "hash": hash_key(self.alice)},
+            {"name": "alice", "hash": hash_key(self.alice), "admin": True},
             {"name": "bob", "hash": hash_key(self.bob), "models": ["allowed-model"]},
         ]
 

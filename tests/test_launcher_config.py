@@ -340,3 +340,31 @@ def test_sim_argv_passes_the_key_like_lmdeploy_and_the_shared_knobs():
 def test_logged_argv_hides_the_internal_key():
     plan = plan_group(one(engine="lmdeploy"), devices([0]), LMDEPLOY)
     assert KEY not in " ".join(redact(lmdeploy_argv(plan, 1, KEY), KEY))
+
+
+# -- log files and exit descriptions ------------------------------------------------------------------------------
+def test_instance_log_rotates_by_size_and_tails_only_the_current_run(tmp_path):
+    from gateway.launcher.process import InstanceLog
+
+    log = InstanceLog(tmp_path / "chat_0.log", max_bytes=200, backups=2)
+    log.begin("start 1: lmdeploy serve api_server m --api-keys ***")
+    with open(log.path, "a") as f:
+        f.write("loading weights\n" * 20)  # 320 bytes: over the limit
+    log.begin("start 2")
+    assert (tmp_path / "chat_0.log.1").read_text().count("loading weights") == 20
+    with open(log.path, "a") as f:
+        f.write("Traceback (most recent call last):\nAssertionError: boom\n")
+    assert log.tail() == ["Traceback (most recent call last):", "AssertionError: boom"]
+    for n in range(3, 6):  # older files shift; only `backups` are kept
+        with open(log.path, "a") as f:
+            f.write("x" * 300 + "\n")
+        log.begin(f"start {n}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chat_0.log", "chat_0.log.1", "chat_0.log.2"]
+    assert oct(log.path.stat().st_mode & 0o777) == "0o600"
+
+
+@pytest.mark.parametrize("code, text", [(0, "exited with code 0"), (3, "exited with code 3"), (137, "killed by SIGKILL"), (-15, "killed by SIGTERM")])
+def test_exit_statuses_read_as_words(code, text):
+    from gateway.launcher.process import describe_exit
+
+    assert describe_exit(code) == text

@@ -89,6 +89,7 @@ class GatewayProc(_Proc):
         }
         path = workdir / f"gateway-{policy}-{self.port}.yaml"
         path.write_text(yaml.safe_dump(config))
+        self.state_path = path.with_suffix(".state.json")
         super().__init__([sys.executable, "-m", "bench.routing.serve", str(path), str(self.port)], f"gateway ({policy})")
         n = len(sims)
         self._wait(lambda: httpx.get(self.url + "/ready", timeout=2).json().get("healthy_backends") == n, 30)

@@ -8,8 +8,10 @@ adds nothing.
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
+from pathlib import Path
 
 import httpx
 import uvicorn
@@ -27,6 +29,7 @@ class BenchGateway(Gateway):
             self.balancer = make_balancer(config.balancer.policy, config.balancer)
         self._own_scraper: MetricsScraper | None = None
         self._scrape_client: httpx.AsyncClient | None = None
+        self.state_path: Path | None = None
 
     async def startup(self) -> None:
         await super().startup()
@@ -36,7 +39,21 @@ class BenchGateway(Gateway):
             self._own_scraper = MetricsScraper(lambda: self.pool, self.balancer.observe_signals, interval=interval, client=self._scrape_client)
             self._own_scraper.start()
 
+    def describe(self) -> dict:
+        """The balancer's learnt state, written next to the config when the run ends."""
+        bal = self.balancer
+        out: dict = {"policy": bal.name}
+        if hasattr(bal, "gamma"):
+            fleet = bal.fleet_sigma(list(self.pool))
+            out.update(gamma=bal.gamma, rho=bal.rho, fleet_sigma=fleet, picks=bal.picks, affinity_picks=bal.affinity_picks)
+            out["sigma"] = {b.id: bal.sigma(b, fleet) for b in self.pool}
+            out["sizes"] = {m: {"fill": s.fill, "out_avg": s.out_avg, "token_ratio": s.token_ratio} for m, s in bal.sizes.items()}
+        out["signals"] = {b.id: repr(b.stats.get("signals")) for b in self.pool}
+        return out
+
     async def shutdown(self) -> None:
+        if self.state_path is not None:
+            self.state_path.write_text(json.dumps(self.describe(), indent=1, default=str))
         if self._own_scraper is not None:
             await self._own_scraper.stop()
         if self._scrape_client is not None:
@@ -49,6 +66,7 @@ def main(argv: list[str]) -> int:
     port = int(argv[1])
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     gateway = BenchGateway(config)
+    gateway.state_path = Path(argv[0]).with_suffix(".state.json")
     server = uvicorn.Server(
         uvicorn.Config(
             gateway.asgi(),

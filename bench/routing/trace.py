@@ -27,7 +27,7 @@ class SimParams:
     prefill_tokens_per_s: float = 2000.0
     batch_slowdown: float = 0.03  # a step at batch 32 takes 1.96x a lone step
     max_batch_size: int = 32
-    kv_capacity_tokens: int = 60_000
+    kv_capacity_tokens: int = 16_000  # small enough that 16 documents do not all stay cached everywhere
     block_tokens: int = 16
     metrics_interval: float = 10.0
 
@@ -58,6 +58,7 @@ class Item:
     prompt_tokens: int
     output_tokens: int
     shared: bool  # starts with one of the shared documents
+    document_tokens: int = 0
 
 
 @dataclass
@@ -90,8 +91,8 @@ def _text(rng: random.Random, tokens: int) -> str:
 
 
 def lengths(rng: random.Random) -> tuple[int, int]:
-    """(prompt, output) tokens: log-normal, long-tailed (p99 about 10x the median)."""
-    return _lognormal(rng, 120, 1.0, 8, 3000), _lognormal(rng, 24, 1.0, 2, 400)
+    """(question, output) tokens: log-normal, long-tailed (p99 about 10x the median)."""
+    return _lognormal(rng, 40, 1.0, 4, 1500), _lognormal(rng, 24, 1.0, 2, 400)
 
 
 def make_trace(
@@ -101,14 +102,14 @@ def make_trace(
     duration: float,
     model: str,
     shared_share: float = 0.5,
-    documents: int = 8,
-    document_tokens: tuple[int, int] = (400, 1200),
+    documents: int = 16,
+    document_tokens: tuple[int, int] = (150, 450),
 ) -> Trace:
     """Poisson arrivals at ``rate`` for ``duration`` s. ``shared_share`` of requests open with one of
     ``documents`` long system prompts (Zipf popularity) and then ask their own question."""
     rng = random.Random(seed)
     docs = [f"[doc {d}] " + _text(rng, rng.randint(*document_tokens)) for d in range(documents)]
-    weights = [1.0 / (i + 1) for i in range(documents)]
+    weights = [1.0 / (i + 1) ** 0.8 for i in range(documents)]  # Zipf-like popularity
     items: list[Item] = []
     t = 0.0
     i = 0
@@ -121,10 +122,12 @@ def make_trace(
         shared = rng.random() < shared_share
         messages = []
         prompt_tokens = p
+        doc_tokens = 0
         if shared:
             doc = rng.choices(docs, weights)[0]
             messages.append({"role": "system", "content": doc})
-            prompt_tokens += len(doc) // 4
+            doc_tokens = len(doc) // 4
+            prompt_tokens += doc_tokens
         messages.append({"role": "user", "content": question})
         body = {
             "model": model,
@@ -133,7 +136,7 @@ def make_trace(
             "stream": True,
             "stream_options": {"include_usage": True},
         }
-        items.append(Item(at=t, body=body, prompt_tokens=prompt_tokens, output_tokens=d, shared=shared))
+        items.append(Item(at=t, body=body, prompt_tokens=prompt_tokens, output_tokens=d, shared=shared, document_tokens=doc_tokens))
         i += 1
     n = max(1, len(items))
     return Trace(
@@ -145,8 +148,10 @@ def make_trace(
     )
 
 
-def fleet_capacity(params: SimParams, speeds: list[float], seed: int, model: str) -> float:
-    """Requests per second the fleet finishes at full batches, counting every prompt token as uncached."""
-    probe = make_trace(seed, rate=50.0, duration=200.0, model=model)
-    per_request = params.seconds_per_request(probe.mean_prompt, probe.mean_output)
+def fleet_capacity(params: SimParams, speeds: list[float], seed: int, model: str, shared_share: float) -> float:
+    """Requests per second the fleet finishes at full batches when prefix caches work: the shared
+    documents are prefilled once, every question in full."""
+    probe = make_trace(seed, rate=50.0, duration=200.0, model=model, shared_share=shared_share)
+    questions = sum(x.prompt_tokens - x.document_tokens for x in probe.items) / len(probe.items)
+    per_request = params.seconds_per_request(questions, probe.mean_output)
     return sum(speeds) / per_request

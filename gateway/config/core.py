@@ -43,6 +43,7 @@ class ApiKeyConfig:
     models: tuple[str, ...] | None = None  # None: every model
     media_allowed_domains: tuple[str, ...] | None = None  # None: the gateway's media policy
     rate_limit_rpm: int | None = None
+    admin: bool = False  # may read the gateway's /metrics
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,7 @@ class TimeoutsConfig:
 
 @dataclass(frozen=True)
 class UpstreamConfig:
-    transport: str = "aiohttp"  # "httpx" (its own pool) only for comparison: it collapses under concurrency
+    transport: str = "aiohttp"  # see gateway/upstream.py; the others are there to be measured against
     max_connections: int = 4096
 
 
@@ -106,6 +107,7 @@ def _read_key(s: Section, index: int) -> ApiKeyConfig | None:
     models = s.str_list("models", None)
     media = s.str_list("media_allowed_domains", None)
     rpm = s.int("rate_limit_rpm", None, min=1)
+    admin = s.bool("admin", False)
     s.finish()
     if digest is None:
         return None
@@ -122,6 +124,7 @@ def _read_key(s: Section, index: int) -> ApiKeyConfig | None:
         models=tuple(models) if models is not None else None,
         media_allowed_domains=tuple(media) if media is not None else None,
         rate_limit_rpm=rpm,
+        admin=admin,
     )
 
 
@@ -243,7 +246,7 @@ def read_health(s: Section) -> HealthConfig:
 
 
 
-TRANSPORTS = ("aiohttp", "httpx")
+TRANSPORTS = ("aiohttp", "httpx-aiohttp", "httpx")
 
 
 def read_upstream(s: Section) -> UpstreamConfig:

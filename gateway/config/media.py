@@ -218,6 +218,8 @@ def parse_domain_entry(text: str) -> DomainEntry:
     if any(c <= " " or c == "\x7f" for c in text):
         raise ValueError("contains whitespace or a control character")
     rest = text.lower()
+    if "[" in rest or "]" in rest:
+        raise ValueError("the host is an IP address; media must come from a named host")
     allow_http = False
     if "://" in rest:
         scheme, rest = rest.split("://", 1)

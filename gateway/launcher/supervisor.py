@@ -168,6 +168,8 @@ class Launcher:
                 log.info(msg, *args)
             for devices in plan.device_sets:
                 n = counts.get(g.served_name, 0)
+                while self.pool.get(f"{g.served_name}#{n}") is not None:  # a remote backend named like ours
+                    n += 1
                 counts[g.served_name] = n + 1
                 self.instances.append(Instance(plan, n, f"{g.served_name}#{n}", devices, self.log_dir))
         for inst in self.instances:
@@ -381,7 +383,8 @@ class Launcher:
         """``healthy`` only for 200 with {"status": "healthy"}; 200 alone may mean sleeping."""
         assert self._client is not None
         try:
-            r = await self._client.get(f"{inst.url}/health", timeout=min(inst.group.health_interval, 5.0))
+            # A busy server may take a moment to answer: never less than a second, never more than five.
+            r = await self._client.get(f"{inst.url}/health", timeout=min(max(inst.group.health_interval, 1.0), 5.0))
         except (httpx.HTTPError, OSError):
             return "unreachable"
         try:
@@ -404,6 +407,7 @@ class Launcher:
             self.pool.add(backend)
         else:
             backend.url = inst.url  # a restart may have needed another port
+            backend.ejected_until = 0.0  # the failures that ejected it were the previous process's
         self._set_state(inst, "healthy")
         inst.error = None
         self.pool.set_health(backend, True, "healthy")

@@ -13,13 +13,12 @@ import logging
 import time
 from typing import Any, Awaitable, Callable
 
-import httpx
 import orjson
 
 from .. import metrics
 from ..errors import Refusal, sse_error_event
 from ..filters import RequestContext
-from ..upstream import Upstream, UpstreamTimeout, is_event_stream, response_headers
+from ..upstream import Upstream, UpstreamFailure, UpstreamResponse, UpstreamTimeout
 from .balancer import Balancer, Outcome, RequestInfo, request_info
 from .pool import Backend, BackendPool
 
@@ -111,8 +110,8 @@ class Router:
                 metrics.UPSTREAM_ERRORS.labels(backend=b.id, kind=f"{exc.phase}_timeout").inc()
                 await reply(TIMEOUTS[exc.phase])
                 return TIMEOUTS[exc.phase].status
-            except httpx.TransportError as exc:
-                kind = "connect_refused" if isinstance(exc, httpx.ConnectError) else "reset"
+            except UpstreamFailure as exc:
+                kind = exc.kind
                 metrics.UPSTREAM_ERRORS.labels(backend=b.id, kind=kind).inc()
                 if kind == "connect_refused":
                     self.pool.report_unreachable(b)
@@ -124,19 +123,19 @@ class Router:
                     return UPSTREAM_FAILED.status
                 return None
             try:
-                outcome.status = response.status_code
-                if response.status_code >= 500:
+                outcome.status = response.status
+                if response.status >= 500:
                     self.pool.report_failure(b)
-                    metrics.UPSTREAM_ERRORS.labels(backend=b.id, kind=f"http_{response.status_code}").inc()
+                    metrics.UPSTREAM_ERRORS.labels(backend=b.id, kind=f"http_{response.status}").inc()
                 else:
                     self.pool.report_success(b)
-                if response.status_code in RETRYABLE_STATUS and not last:
+                if response.status in RETRYABLE_STATUS and not last:
                     return None
-                if response.status_code == 200 and is_event_stream(response):
+                if response.status == 200 and response.is_event_stream:
                     await self._relay_stream(b, req, ctx, response, send, start, outcome)
                 else:
                     await self._relay_whole(b, req, response, send, start, outcome, reply)
-                return response.status_code
+                return response.status
             finally:
                 await response.aclose()
         finally:
@@ -147,7 +146,7 @@ class Router:
         self,
         b: Backend,
         req: RequestInfo,
-        response: httpx.Response,
+        response: UpstreamResponse,
         send: Send,
         start: float,
         outcome: Outcome,
@@ -159,18 +158,18 @@ class Router:
             self.pool.report_failure(b)
             await reply(TIMEOUTS[exc.phase])
             return
-        except httpx.TransportError:
+        except UpstreamFailure:
             self.pool.report_failure(b)
             await reply(UPSTREAM_FAILED)
             return
         outcome.ttft = time.monotonic() - start
         self.balancer.first_byte(b, req, outcome.ttft)
-        if response.status_code == 200:
+        if response.status == 200:
             outcome.ok = True
             _read_usage(body, outcome)
-        hdrs = response_headers(response)
+        hdrs = list(response.headers)
         hdrs.append((b"content-length", str(len(body)).encode()))
-        await send({"type": "http.response.start", "status": response.status_code, "headers": hdrs})
+        await send({"type": "http.response.start", "status": response.status, "headers": hdrs})
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
     async def _relay_stream(
@@ -178,18 +177,18 @@ class Router:
         b: Backend,
         req: RequestInfo,
         ctx: RequestContext,
-        response: httpx.Response,
+        response: UpstreamResponse,
         send: Send,
         start: float,
         outcome: Outcome,
     ) -> None:
-        hdrs = response_headers(response)
+        hdrs = list(response.headers)
         hdrs += [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
         await send({"type": "http.response.start", "status": 200, "headers": hdrs})
         usage_chunk = b""
         first = True
         try:
-            async for chunk in self.upstream.chunks(response):
+            async for chunk in response.chunks():
                 if first:
                     first = False
                     outcome.ttft = time.monotonic() - start
@@ -197,7 +196,7 @@ class Router:
                 if b'"usage"' in chunk:
                     usage_chunk = chunk
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except (UpstreamTimeout, httpx.TransportError) as exc:
+        except (UpstreamTimeout, UpstreamFailure) as exc:
             kind = f"{exc.phase}_timeout" if isinstance(exc, UpstreamTimeout) else "stream_broken"
             metrics.UPSTREAM_ERRORS.labels(backend=b.id, kind=kind).inc()
             self.pool.report_failure(b)

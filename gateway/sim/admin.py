@@ -19,6 +19,7 @@ from starlette.responses import HTMLResponse, Response
 
 from .errors import ApiError, json_response
 from .inference import read_json, require_json_type, sim_of
+from .state import SimState
 
 _TERMINATE_DELAY_S = 0.05  # lets the 200 reach the client before the graceful shutdown starts
 
@@ -35,7 +36,7 @@ async def metrics(request: Request) -> Response:
     return Response(sim.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-async def metrics_refresher(sim: Any) -> None:
+async def metrics_refresher(sim: SimState) -> None:
     """lmdeploy's ``_force_log`` loop: the gauges change only on this beat."""
     interval = sim.config.metrics_interval
     while True:

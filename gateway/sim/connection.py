@@ -33,6 +33,11 @@ async def cut_connection(scope: dict[str, Any], receive: Receive) -> None:
     transport = scope.get("extensions", {}).get(TRANSPORT_KEY)
     if transport is None:
         raise ConnectionCut("simulated connection cut")
+    # Frames already "sent" must reach the client before the cut; abort() would discard them.
+    loop = asyncio.get_running_loop()
+    flush_deadline = loop.time() + _DISCONNECT_GRACE_S
+    while transport.get_write_buffer_size() and loop.time() < flush_deadline:
+        await asyncio.sleep(0.005)
     transport.abort()
     # Wait for uvicorn to notice, so it does not try to answer 500 on a dead socket.
     try:

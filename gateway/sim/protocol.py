@@ -39,9 +39,8 @@ class Job:
     def finish_reason(self) -> str:
         return "length" if self.limited else "stop"
 
-    @property
-    def aborted(self) -> bool:
-        return any(s.aborted for s in self.seqs)
+    def finish_of(self, seq: Sequence) -> str:
+        return "abort" if seq.aborted else self.finish_reason
 
     def prompt_heads(self) -> list[Sequence]:
         return self.seqs[:: self.n]
@@ -114,7 +113,7 @@ def chat_body(job: Job) -> dict[str, Any]:
                 "index": i,
                 "message": {"role": "assistant", "content": output_text(0, s.generated), "tool_calls": None},
                 "logprobs": None,
-                "finish_reason": job.finish_reason,
+                "finish_reason": job.finish_of(s),
             }
             for i, s in enumerate(job.seqs)
         ],
@@ -129,10 +128,8 @@ async def chat_frames(job: Job, include_usage: bool) -> AsyncIterator[bytes]:
             for k in range(start, end):
                 delta = {"role": "assistant", "content": token_piece(k)} if k == 0 else {"content": token_piece(k)}
                 yield sse({**base, "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]})
-            if done:
-                if job.seqs[i].aborted:
-                    return
-                yield sse({**base, "choices": [{"index": i, "delta": {}, "logprobs": None, "finish_reason": job.finish_reason}]})
+            if done:  # an admin abort ends the choice with "abort"; a hang-up has stopped the writer already
+                yield sse({**base, "choices": [{"index": i, "delta": {}, "logprobs": None, "finish_reason": job.finish_of(job.seqs[i])}]})
     if include_usage:
         yield sse({**base, "choices": [], "usage": job.openai_usage()})
     yield SSE_DONE
@@ -148,7 +145,7 @@ def completion_body(job: Job) -> dict[str, Any]:
         "created": job.created,
         "model": job.model,
         "choices": [
-            {"index": i, "text": output_text(0, s.generated), "logprobs": None, "finish_reason": job.finish_reason}
+            {"index": i, "text": output_text(0, s.generated), "logprobs": None, "finish_reason": job.finish_of(s)}
             for i, s in enumerate(job.seqs)
         ],
         "usage": job.openai_usage(),
@@ -162,9 +159,7 @@ async def completion_frames(job: Job, include_usage: bool) -> AsyncIterator[byte
             for k in range(start, end):
                 yield sse({**base, "choices": [{"index": i, "text": token_piece(k), "logprobs": None, "finish_reason": None}]})
             if done:
-                if job.seqs[i].aborted:
-                    return
-                yield sse({**base, "choices": [{"index": i, "text": "", "logprobs": None, "finish_reason": job.finish_reason}]})
+                yield sse({**base, "choices": [{"index": i, "text": "", "logprobs": None, "finish_reason": job.finish_of(job.seqs[i])}]})
     if include_usage:
         yield sse({**base, "choices": [], "usage": job.openai_usage()})
     yield SSE_DONE

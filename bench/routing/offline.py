@@ -1,0 +1,239 @@
+"""Offline replay: the routing bench's trace through the real policies and a virtual-time copy of
+the simulator's engine model (``gateway/sim/engine.py``), with no sockets and no processes.
+
+    python -m bench.routing.offline [--fleets ...] [--loads ...] [--duration 120]
+
+It runs in seconds, so a change to the model can be tried on many seeds before the socket bench
+(``python -m bench.routing``) confirms it. What it leaves out: HTTP and SSE costs, timer slack,
+health checks, retries. Its figures are not the bench's figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import itertools
+import math
+import random
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    __package__ = "bench.routing"
+
+from gateway.config.balancer import BalancerConfig  # noqa: E402
+from gateway.routing.balancer import Outcome, make_balancer, request_info  # noqa: E402
+from gateway.routing.pool import Backend  # noqa: E402
+from gateway.routing.signals import Signals, update_signals  # noqa: E402
+from gateway.sim.prefix_cache import PrefixCache  # noqa: E402
+from gateway.sim.tokens import render_chat, text_prompt  # noqa: E402
+
+from .run import FLEETS, POLICIES  # noqa: E402
+from .trace import SimParams, fleet_capacity, make_trace  # noqa: E402
+
+
+class Loop:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._q: list = []
+        self._ids = itertools.count()
+
+    def at(self, t: float, fn, *args) -> None:
+        heapq.heappush(self._q, (t, next(self._ids), fn, args))
+
+    def run(self) -> None:
+        while self._q:
+            t, _, fn, args = heapq.heappop(self._q)
+            self.now = t
+            fn(*args)
+
+
+@dataclass(eq=False)
+class Seq:
+    index: int
+    tokens: int
+    blocks: tuple
+    out: int
+    req: object
+    sent: float
+    generated: int = 0
+    cached: int = 0
+    first: float | None = None
+
+
+class Engine:
+    """The simulator's continuous-batching model, step for step, in virtual time."""
+
+    def __init__(self, loop: Loop, p: SimParams, speed: float, on_token, on_done):
+        self.loop, self.p, self.speed = loop, p, speed
+        self.waiting: list[Seq] = []
+        self.running: list[Seq] = []
+        self.pending = 0
+        self.kv = 0
+        self.cache = PrefixCache()
+        self.busy = False
+        self.on_token, self.on_done = on_token, on_done
+        self.prompt_tokens = self.cached_tokens = self.generated = 0
+        self.gauges = (0, 0, 0.0)
+
+    def submit(self, s: Seq) -> None:
+        self.pending += 1
+        self.loop.at(self.loop.now + self.p.ttft / self.speed, self._enqueue, s)
+
+    def _enqueue(self, s: Seq) -> None:
+        self.pending -= 1
+        self.waiting.append(s)
+        if not self.busy:
+            self.busy = True
+            self._step()
+
+    def _room(self) -> int:
+        return (self.p.kv_capacity_tokens - self.kv) // self.p.block_tokens
+
+    def _step(self) -> None:
+        admitted = []
+        while self.waiting and len(self.running) < self.p.max_batch_size:
+            s = self.waiting[0]
+            if self.running and self.kv + s.tokens + s.out > self.p.kv_capacity_tokens:
+                break
+            self.waiting.pop(0)
+            s.cached = min(self.cache.match(s.blocks) * self.p.block_tokens, s.tokens - 1)
+            self.kv += s.tokens + s.out
+            self.running.append(s)
+            admitted.append(s)
+            self.prompt_tokens += s.tokens
+            self.cached_tokens += s.cached
+        if admitted:
+            self.cache.shrink(self._room())
+        if not self.running:
+            self.busy = False
+            return
+        p = self.p
+        uncached = sum(s.tokens - s.cached for s in admitted)
+        step = (uncached / p.prefill_tokens_per_s + p.tpot * (1 + len(self.running) * p.batch_slowdown)) / self.speed
+        self.loop.at(self.loop.now + step, self._advance, admitted)
+
+    def _advance(self, admitted: list[Seq]) -> None:
+        room = self._room()
+        for s in admitted:
+            self.cache.insert(s.blocks, room)
+        keep = []
+        for s in self.running:
+            s.generated += 1
+            self.generated += 1
+            if s.first is None:
+                s.first = self.loop.now
+                self.on_token(self, s)
+            if s.generated >= s.out:
+                self.kv -= s.tokens + s.out
+                self.on_done(self, s)
+            else:
+                keep.append(s)
+        self.running = keep
+        self._step()
+
+    def refresh(self) -> None:
+        self.gauges = (len(self.running), len(self.waiting), self.kv / self.p.kv_capacity_tokens)
+
+
+def replay(policy: str, speeds: list[float], trace, params: SimParams, cfg: BalancerConfig, seed: int = 0, warmup: float = 0.1) -> dict:
+    loop = Loop()
+    bal = make_balancer(policy, cfg, clock=lambda: loop.now, rng=random.Random(seed))
+    backends = [Backend(id=f"b{i}", url="", models=frozenset({"m"}), healthy=True, returned_at=0.0) for i in range(len(speeds))]
+    results: dict[int, tuple[float, float]] = {}
+
+    def on_token(engine, s: Seq) -> None:
+        bal.first_byte(by_engine[engine], s.req, loop.now - s.sent)
+
+    def on_done(engine, s: Seq) -> None:
+        b = by_engine[engine]
+        bal.completed(b, s.req, Outcome(status=200, ok=True, ttft=s.first - s.sent, duration=loop.now - s.sent,
+                                        prompt_tokens=s.tokens, completion_tokens=s.out, cached_tokens=s.cached))
+        results[s.index] = (loop.now - s.sent, s.first - s.sent)
+
+    engines = [Engine(loop, params, sp, on_token, on_done) for sp in speeds]
+    by_engine = dict(zip(engines, backends))
+    signals = [Signals(max_age=30.0) for _ in backends]
+    for b, sig in zip(backends, signals):
+        b.stats["signals"] = sig
+
+    def arrive(i: int, item) -> None:
+        req = request_info("m", item.body)
+        req.stream = True
+        b = bal.pick(backends, req)
+        bal.dispatched(b, req)
+        e = engines[backends.index(b)]
+        prompt = text_prompt(render_chat(item.body), params.block_tokens)
+        e.submit(Seq(i, prompt.tokens, prompt.blocks, item.output_tokens, req, loop.now))
+
+    def refresh() -> None:
+        for e in engines:
+            e.refresh()
+        if loop._q:
+            loop.at(loop.now + params.metrics_interval, refresh)
+
+    def scrape() -> None:
+        for b, e, sig in zip(backends, engines, signals):
+            r, w, kv = e.gauges
+            tokens = e.prompt_tokens + e.generated  # counters are live, like the sim's
+            changed = update_signals(sig, {"lmdeploy:num_requests_running": r, "lmdeploy:num_requests_waiting": w,
+                                           "lmdeploy:gpu_cache_usage_perc": kv, "lmdeploy:generation_tokens_total": tokens}, loop.now)
+            bal.observe_signals(b, sig, changed)
+        if loop._q:
+            loop.at(loop.now + cfg.scrape_interval, scrape)
+
+    for i, item in enumerate(trace.items):
+        loop.at(item.at, arrive, i, item)
+    loop.at(0.0, refresh)
+    if cfg.scrape_interval > 0:
+        loop.at(0.05, scrape)
+    loop.run()
+    skip = int(len(trace.items) * warmup)
+    lat = sorted(results[i][0] for i in range(skip, len(trace.items)))
+    ttft = [results[i][1] for i in range(skip, len(trace.items))]
+    share = [sum(1 for _ in ()) for _ in engines]
+    prompt = sum(e.prompt_tokens for e in engines)
+    return {
+        "policy": policy,
+        "lat_mean": statistics.fmean(lat),
+        "lat_p50": lat[len(lat) // 2],
+        "lat_p99": lat[min(len(lat) - 1, int(0.99 * (len(lat) - 1) + 0.5))],
+        "ttft_mean": statistics.fmean(ttft),
+        "hit_rate": sum(e.cached_tokens for e in engines) / prompt if prompt else 0.0,
+        "share": "/".join(f"{100 * e.prompt_tokens / prompt:.0f}" for e in engines) if prompt else "",
+        "_": share,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.routing.offline", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--fleets", default="heterogeneous,homogeneous")
+    ap.add_argument("--loads", default="0.6,0.8,0.95")
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--duration", type=float, default=120.0)
+    ap.add_argument("--seeds", default="7")
+    ap.add_argument("--shared", type=float, default=0.5)
+    args = ap.parse_args(argv)
+    params = SimParams()
+    cfg = BalancerConfig(scrape_interval=2.0)
+    for fleet in args.fleets.split(","):
+        speeds = FLEETS[fleet]
+        for load in (float(x) for x in args.loads.split(",")):
+            for seed in (int(s) for s in args.seeds.split(",")):
+                cap = fleet_capacity(params, speeds, seed, "m", args.shared)
+                trace = make_trace(seed, rate=load * cap, duration=args.duration, model="m", shared_share=args.shared)
+                print(f"\n{fleet} {load:.0%} seed {seed}: {len(trace.items)} requests")
+                base = None
+                for policy in args.policies.split(","):
+                    r = replay(policy, speeds, trace, params, cfg, seed)
+                    base = base or r
+                    print(f"  {policy:<21} lat mean {r['lat_mean']:6.2f} p50 {r['lat_p50']:6.2f} p99 {r['lat_p99']:6.2f} "
+                          f"({100 * (r['lat_p99'] / base['lat_p99'] - 1):+4.0f}%)  ttft {r['ttft_mean']:.3f}  hit {r['hit_rate']:.1%}  prompt share {r['share']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,157 @@
+"""Routing bench: the same seeded open-loop trace through every balancer policy, side by side.
+
+    python -m bench.routing            # both fleets at 60/80/95% load (about 25 min on 2 cores)
+    python -m bench.routing --quick    # both fleets at 80% load, shorter trace (about 7 min)
+
+For each fleet it starts simulated api_servers (``python -m gateway.sim``; homogeneous: four at
+--speed 1; heterogeneous: 2.0/1.0/1.0/0.5) and keeps them for every run; each run starts one
+gateway process with one policy, clears the backends' prefix caches, replays the trace and
+prints throughput, end-to-end latency and time to first token. Half of the requests open with
+one of 16 shared documents, so the prefix-cache hit rate is reported too (from the sims'
+counters). Load is a fraction of the fleet's capacity at full batches with the documents cached.
+Times and token counts are scaled (see ``trace.SimParams``); the first ``--warmup`` share of
+requests is left out of the latency figures, and no run is timed by a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: python bench/routing/run.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    __package__ = "bench.routing"
+
+from .client import replay, summarize  # noqa: E402
+from .fleet import GatewayProc, SimProc  # noqa: E402
+from .trace import SimParams, fleet_capacity, make_trace  # noqa: E402
+
+MODEL = "bench-model"
+FLEETS = {"heterogeneous": [2.0, 1.0, 1.0, 0.5], "homogeneous": [1.0, 1.0, 1.0, 1.0]}
+POLICIES = ("least_in_flight", "min_expected_latency", "least_load", "round_robin", "random")
+BASELINE = "least_in_flight"
+
+
+def _wait_idle(sims: list[SimProc], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(s.stats()["in_flight"] == 0 for s in sims):
+            return
+        time.sleep(0.2)
+    raise TimeoutError("backends still busy after the previous run")
+
+
+def run_one(workdir: Path, policy: str, sims: list[SimProc], trace, warmup: float, balancer: dict, verbose: bool = False) -> dict:
+    _wait_idle(sims)
+    for s in sims:
+        s.control(clear_cache=True)
+    before = [s.stats() for s in sims]
+    gw = GatewayProc(workdir, policy, sims, balancer)
+    try:
+        results, wall = asyncio.run(replay(gw.url, trace, timeout=trace.duration * 4 + 60))
+    finally:
+        gw.stop()
+    if gw.state_path.exists():
+        print(f"  [{policy}] balancer state: {gw.state_path.read_text()}" if verbose else "", end="")
+    _wait_idle(sims)
+    after = [s.stats() for s in sims]
+    row = summarize(results, wall, warmup=int(len(results) * warmup))
+    prompt = sum(a["prompt_tokens"] - b["prompt_tokens"] for a, b in zip(after, before))
+    cached = sum(a["cached_tokens"] - b["cached_tokens"] for a, b in zip(after, before))
+    row["hit_rate"] = cached / prompt if prompt else 0.0
+    submitted = [a["submitted"] - b["submitted"] for a, b in zip(after, before)]
+    total = sum(submitted) or 1
+    row["share"] = "/".join(f"{100 * x / total:.0f}" for x in submitted)
+    row["policy"] = policy
+    return row
+
+
+COLUMNS = (
+    ("policy", "policy", "{:<21}"),
+    ("throughput_rps", "req/s", "{:>6.2f}"),
+    ("tokens_per_s", "tok/s", "{:>6.0f}"),
+    ("lat_mean", "lat mean", "{:>8.2f}"),
+    ("lat_p50", "lat p50", "{:>8.2f}"),
+    ("lat_p99", "lat p99", "{:>8.2f}"),
+    ("ttft_mean", "ttft mean", "{:>9.3f}"),
+    ("ttft_p50", "ttft p50", "{:>9.3f}"),
+    ("ttft_p99", "ttft p99", "{:>9.3f}"),
+    ("hit_rate", "hit %", "{:>6.1%}"),
+    ("errors", "err", "{:>4d}"),
+    ("share", "share % per backend", "  {}"),
+)
+
+
+def print_table(title: str, rows: list[dict]) -> None:
+    print(f"\n{title}")
+    print(" ".join(f"{h:>{len(fmt.format(0) if 'd' in fmt or 'f' in fmt or '%' in fmt else h)}}" if k != "policy" and k != "share" else (f"{h:<21}" if k == "policy" else f"  {h}") for k, h, fmt in COLUMNS))
+    base = next((r for r in rows if r["policy"] == BASELINE), None)
+    for r in rows:
+        line = " ".join(fmt.format(r[k]) for k, _, fmt in COLUMNS)
+        if base is not None and r is not base and base["lat_p99"] > 0:
+            line += f"   p99 {100 * (r['lat_p99'] / base['lat_p99'] - 1):+.0f}% vs {BASELINE}"
+        print(line, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.routing", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="80%% load only, 40 s traces")
+    p.add_argument("--fleets", default="heterogeneous,homogeneous", help="comma list of: " + ", ".join(FLEETS))
+    p.add_argument("--loads", default=None, help="comma list of fractions of fleet capacity (default 0.6,0.8,0.95; --quick 0.8)")
+    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--duration", type=float, default=None, help="trace seconds (default 60; --quick 40)")
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--shared", type=float, default=0.5, help="share of requests that open with a shared document")
+    p.add_argument("--warmup", type=float, default=0.1, help="share of the first requests left out of the figures")
+    p.add_argument("--verbose", action="store_true", help="print each balancer's learnt state after its run")
+    p.add_argument("--json", type=Path, default=None, help="also write every row here")
+    args = p.parse_args(argv)
+    loads = [float(x) for x in (args.loads or ("0.8" if args.quick else "0.6,0.8,0.95")).split(",")]
+    duration = args.duration or (40.0 if args.quick else 60.0)
+    policies = [x.strip() for x in args.policies.split(",") if x.strip()]
+    fleets = [x.strip() for x in args.fleets.split(",") if x.strip()]
+    for f in fleets:
+        if f not in FLEETS:
+            p.error(f"unknown fleet {f!r}; choose from {', '.join(FLEETS)}")
+    params = SimParams()
+    balancer = {"scrape_interval": 2.0}
+    all_rows = []
+    print(f"routing bench: seed {args.seed}, {duration:g} s traces, {args.shared:.0%} shared-prefix requests, policies {', '.join(policies)}")
+    print(f"sim: tpot {params.tpot}s ttft {params.ttft}s prefill {params.prefill_tokens_per_s:g} tok/s, batch {params.max_batch_size}, "
+          f"slowdown {params.batch_slowdown}/seq, gauges every {params.metrics_interval:g}s (times 10x LMDeploy's, outputs ~10x shorter)")
+    with tempfile.TemporaryDirectory(prefix="bench-routing-") as tmp:
+        workdir = Path(tmp)
+        for fleet in fleets:
+            speeds = FLEETS[fleet]
+            sims: list[SimProc] = []
+            try:
+                for sp in speeds:
+                    sims.append(SimProc(MODEL, sp, params.argv(sp)))
+                capacity = fleet_capacity(params, speeds, args.seed, MODEL, args.shared)
+                for load in loads:
+                    trace = make_trace(args.seed, rate=load * capacity, duration=duration, model=MODEL, shared_share=args.shared)
+                    rows = []
+                    for policy in policies:
+                        row = run_one(workdir, policy, sims, trace, args.warmup, balancer, args.verbose)
+                        row.update(fleet=fleet, load=load)
+                        rows.append(row)
+                        all_rows.append(row)
+                    title = (f"{fleet} fleet (speeds {'/'.join(f'{s:g}' for s in speeds)}), {load:.0%} load: "
+                             f"{trace.rate:.1f} req/s, {len(trace.items)} requests, mean prompt {trace.mean_prompt:.0f} / output {trace.mean_output:.0f} tokens; seconds")
+                    print_table(title, rows)
+            finally:
+                for s in sims:
+                    s.stop()
+    if args.json:
+        args.json.write_text(json.dumps(all_rows, indent=1, default=lambda x: None if isinstance(x, float) and math.isnan(x) else x))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
