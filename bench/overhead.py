@@ -94,6 +94,12 @@ def wrk(url: str, concurrency: int, duration: float, body: bytes, key: str | Non
     return {"rps": int(n) / (int(dur_us) / 1e6), "errors": int(errors), "p50_ms": float(p50) / 1000, "p99_ms": float(p99) / 1000}
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process: a cost per request that other load on the machine does not distort."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def gateway_config(path: Path, backend_port: int, key_hash: str, transport: str) -> None:
     cfg = {
         "server": {"log_level": "warning"},
@@ -129,6 +135,7 @@ def main() -> None:
         wait_http(f"http://127.0.0.1:{backend_port}/health")
         for target in targets:
             stack = contextlib.ExitStack()
+            pid = None
             with stack:
                 if target == "direct":
                     url, k = f"http://127.0.0.1:{backend_port}/v1/chat/completions", None
@@ -137,7 +144,7 @@ def main() -> None:
                     port = free_port()
                     cfg = tmp / f"{transport}.yaml"
                     gateway_config(cfg, backend_port, hash_key(key), transport)
-                    stack.enter_context(process([sys.executable, "-m", "gateway", "serve", "--config", str(cfg), "--port", str(port)]))
+                    pid = stack.enter_context(process([sys.executable, "-m", "gateway", "serve", "--config", str(cfg), "--port", str(port)])).pid
                     wait_http(f"http://127.0.0.1:{port}/ready")
                     url, k = f"http://127.0.0.1:{port}/v1/chat/completions", key
                 elif target == "lmdeploy-proxy":
@@ -145,7 +152,7 @@ def main() -> None:
                         print("lmdeploy-proxy: skipped (lmdeploy is not installed here)")
                         continue
                     port = free_port()
-                    stack.enter_context(process(["lmdeploy", "serve", "proxy", "--server-name", "127.0.0.1", "--server-port", str(port), "--routing-strategy", "min_expected_latency"]))
+                    pid = stack.enter_context(process(["lmdeploy", "serve", "proxy", "--server-name", "127.0.0.1", "--server-port", str(port), "--routing-strategy", "min_expected_latency"])).pid
                     wait_http(f"http://127.0.0.1:{port}/v1/models")
                     httpx.post(f"http://127.0.0.1:{port}/nodes/add", json={"url": f"http://127.0.0.1:{backend_port}", "status": {"models": [MODEL], "role": 1}})
                     url, k = f"http://127.0.0.1:{port}/v1/chat/completions", None
@@ -154,15 +161,19 @@ def main() -> None:
                 for mode, b in (("json", body), ("stream", stream_body)):
                     for c in levels:
                         wrk(url, c, 1.0, b, k)  # warm-up: connections, caches
+                        cpu0 = cpu_seconds(pid) if pid else 0.0
                         r = wrk(url, c, args.duration, b, k)
+                        n = r["rps"] * max(1, int(args.duration))
+                        r["cpu_us"] = (cpu_seconds(pid) - cpu0) / n * 1e6 if pid and n else float("nan")
                         rows.append((target, mode, c, r))
-                        print(f"  {target:22} {mode:6} c={c:<3} {r['rps']:9.0f} req/s  p50 {r['p50_ms']:.3f} ms  p99 {r['p99_ms']:.3f} ms  errors {r['errors']}", flush=True)
+                        print(f"  {target:22} {mode:6} c={c:<3} {r['rps']:9.0f} req/s  p50 {r['p50_ms']:.3f} ms  p99 {r['p99_ms']:.3f} ms  cpu/req {r['cpu_us']:.0f} us  errors {r['errors']}", flush=True)
     base = {(m, c): r for t, m, c, r in rows if t == "direct"}
-    print(f"\n{'target':22} {'mode':6} {'conc':>4} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10} {'errors':>6}")
+    print(f"\n{'target':22} {'mode':6} {'conc':>4} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10} {'cpu us/req':>10} {'errors':>6}")
     for t, m, c, r in rows:
         added = r["p50_ms"] - base[(m, c)]["p50_ms"] if (m, c) in base else float("nan")
-        print(f"{t:22} {m:6} {c:>4} {r['rps']:9.0f} {r['p50_ms']:8.3f} {r['p99_ms']:8.3f} {added:10.3f} {r['errors']:6d}")
+        print(f"{t:22} {m:6} {c:>4} {r['rps']:9.0f} {r['p50_ms']:8.3f} {r['p99_ms']:8.3f} {added:10.3f} {r['cpu_us']:10.0f} {r['errors']:6d}")
     print(f"\n{os.cpu_count()} CPU cores; load generator, backend and gateway share them.")
+    print("cpu us/req: CPU time the proxy process spent per request (user + system), the cost that caps its throughput per core.")
 
 
 if __name__ == "__main__":

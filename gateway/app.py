@@ -19,6 +19,7 @@ from .errors import Refusal
 from .filters import RequestContext
 from .filters.auth import ApiKeyAuth
 from .filters.body import BodyPolicy
+from .filters.media import MediaPolicy
 from .filters.paths import PathPolicy
 from .listener import Listener, Send, send_json
 from .routing.balancer import make_balancer
@@ -31,14 +32,6 @@ log = logging.getLogger("gateway")
 METRICS_FORBIDDEN = Refusal(403, "This API key may not read the gateway's metrics (it needs `admin: true`).", "not_admin", code="permission_denied")
 
 
-def _media_policy(config: GatewayConfig) -> Any:
-    try:
-        from .filters.media import MediaPolicy
-    except ImportError:  # pragma: no cover - only while the media filter is being built
-        return None
-    return MediaPolicy(config.media)
-
-
 class Gateway:
     def __init__(self, config: GatewayConfig):
         self.config = config
@@ -47,7 +40,7 @@ class Gateway:
         self.paths = PathPolicy()
         self.auth = ApiKeyAuth(config.auth)
         self.body = BodyPolicy(config.limits)
-        self.media = _media_policy(config)
+        self.media = MediaPolicy(config.media)
         self.upstream: Upstream | None = None
         self.control_client: Any = None
         self.router: Router = None  # type: ignore[assignment]  # built in startup, needs a loop
@@ -98,16 +91,19 @@ class Gateway:
             await self.control_client.aclose()
 
     # -- routes answered by the gateway itself ----------------------------------------------------
-    async def answer_local(self, ctx: RequestContext, send: Send) -> None:
+    async def answer_local(self, ctx: RequestContext, send: Send) -> int:
+        """Routes the gateway answers itself; returns the status sent."""
         kind = ctx.route.kind
         if kind == "health":
             await send_json(send, 200, {"status": "ok"})
+            return 200
         elif kind == "ready":
             healthy = sum(1 for b in self.pool if b.available(_now()))
             status = {"status": "ready" if healthy else "not_ready", "healthy_backends": healthy, "backends": len(self.pool)}
             if self.launcher is not None:
                 status["failed_instances"] = self.launcher.failed_count()
             await send_json(send, 200 if healthy else 503, status)
+            return 200 if healthy else 503
         elif kind == "models":
             models = sorted(m for m in self.pool.healthy_models() if ctx.key is None or ctx.key.models is None or m in ctx.key.models)
             await send_json(
@@ -115,10 +111,10 @@ class Gateway:
                 200,
                 {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "lmdeploy-gateway"} for m in models]},
             )
+            return 200
         elif kind == "metrics":
             if ctx.key is not None and not ctx.key.admin:
-                await self.asgi()._refuse(send, METRICS_FORBIDDEN, "openai")
-                return
+                return await self.asgi()._refuse(send, METRICS_FORBIDDEN, "openai")
             for b in self.pool:
                 metrics.IN_FLIGHT.labels(backend=b.id).set(b.in_flight)
                 metrics.BACKEND_HEALTHY.labels(backend=b.id).set(1 if b.available(_now()) else 0)
@@ -127,6 +123,8 @@ class Gateway:
             body = generate_latest(metrics.REGISTRY)
             await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain; version=0.0.4")]})
             await send({"type": "http.response.body", "body": body, "more_body": False})
+            return 200
+        raise AssertionError(f"no local handler for {kind!r}")
 
 
 _now = time.monotonic

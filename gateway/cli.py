@@ -57,7 +57,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         loop="uvloop",
         http="httptools",
         lifespan="on",
-        access_log=cfg.server.access_log,
+        access_log=False,  # ours (server.access_log) names keys by id and never logs query strings
         log_level=cfg.server.log_level,
         timeout_graceful_shutdown=int(cfg.timeouts.drain) or None,
         server_header=False,

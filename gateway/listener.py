@@ -42,7 +42,15 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 _REQUEST_ID = re.compile(rb"^[A-Za-z0-9._\-]{1,64}$")
 _JSON = (b"content-type", b"application/json")
-_BAD_METHOD_LINE = Refusal(400, "Malformed request.", "malformed_request", code="invalid_request")
+WATCH_AFTER = 0.02  # seconds before a request starts watching for its client to go away
+
+
+_STATUS_CLASS = {1: "1xx", 2: "2xx", 3: "3xx", 4: "4xx", 5: "5xx"}
+
+
+def _client(scope: Scope) -> str:
+    client = scope.get("client")
+    return f"{client[0]}:{client[1]}" if client else "-"
 
 
 class _ClientGone(Exception):
@@ -58,6 +66,7 @@ class Listener:
         self.media = gateway.media
         self.router = gateway.router
         self.max_body = gateway.config.limits.max_body_bytes
+        self.access_log = gateway.config.server.access_log
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -89,51 +98,65 @@ class Listener:
     # -- one request ------------------------------------------------------------------------
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.monotonic()
-        resolved = self.paths.resolve(scope["method"], scope.get("raw_path") or scope["path"].encode("latin-1", "replace"), scope["path"])
+        ctx = self._context(scope)
+        if isinstance(ctx, Refusal):
+            await self._refuse(send, ctx, "openai")
+            status, kind = ctx.status, "unrouted"
+            ctx = None
+        else:
+            status, kind = await self._run(ctx, receive, send), ctx.route.kind
+        metrics.REQUESTS.labels(route=kind, status=_STATUS_CLASS.get(status // 100, "other")).inc()
+        if kind != "unrouted":
+            metrics.LATENCY.labels(route=kind).observe(time.monotonic() - started)
+        if self.access_log:
+            key = ctx.key if ctx is not None else None
+            # Keys are named by their configured name and a short id of their hash, never by value.
+            log.info(
+                '%s "%s %s" %d %.1fms key=%s model=%.64s',
+                _client(scope), scope["method"], scope["path"][:128], status, (time.monotonic() - started) * 1000,
+                f"{key.name}/{key_id(key.hash)}" if key else "-", (ctx.model if ctx is not None else None) or "-",
+            )
+
+    def _context(self, scope: Scope) -> RequestContext | Refusal:
+        raw_path = scope.get("raw_path") or scope["path"].encode("latin-1", "replace")
+        resolved = self.paths.resolve(scope["method"], raw_path, scope["path"])
         if isinstance(resolved, Refusal):
-            await self._refuse(send, resolved, "openai")
-            return
-        route: Route = resolved
+            return resolved
         headers: dict[bytes, bytes] = {}
         for name, value in scope["headers"]:
             if name in headers:
                 headers[name] += b"\x00" + value  # marks a repeated header; auth and body refuse those
             else:
                 headers[name] = value
-        ctx = RequestContext(scope, route, headers)
+        return RequestContext(scope, resolved, headers)
+
+    async def _run(self, ctx: RequestContext, receive: Receive, send: Send) -> int:
+        """The chain for one routed request; returns the status the client got (499: it left)."""
+        route = ctx.route
         refusal = self.auth.check(ctx)
+        if refusal is None and not route.forward:
+            return await self.gw.answer_local(ctx, send)
+        if refusal is None:
+            refusal = self.body.check_headers(ctx)
         if refusal is not None:
-            await self._refuse(send, refusal, route.style)
-            return
-        if not route.forward:
-            await self.gw.answer_local(ctx, send)
-            return
-        refusal = self.body.check_headers(ctx)
-        if refusal is not None:
-            await self._refuse(send, refusal, route.style)
-            return
+            return await self._refuse(send, refusal, route.style)
         try:
             raw = await self._read_body(receive)
         except _ClientGone:
-            return
+            return 499
         if raw is None:
-            await self._refuse(send, self.body.too_large, route.style)
-            return
+            return await self._refuse(send, self.body.too_large, route.style)
         refusal = self.body.parse(ctx, raw)
         if refusal is None and not model_allowed(ctx.key, ctx.model or ""):
             refusal = model_not_found(ctx.model or "")
-        if refusal is None and self.media is not None:
-            refusal = self.media.check_body(ctx)
+        if refusal is None:
+            refusal = await self.media.check_body_async(ctx) if self.media.is_async else self.media.check_body(ctx)
         if refusal is not None:
-            await self._refuse(send, refusal, route.style)
-            return
+            return await self._refuse(send, refusal, route.style)
         payload = self.body.serialise(ctx.body)  # type: ignore[arg-type]
         if isinstance(payload, Refusal):
-            await self._refuse(send, payload, route.style)
-            return
-        status = await self._forward(ctx, payload, receive, send)
-        metrics.REQUESTS.labels(route=route.kind, status=f"{status // 100}xx").inc()
-        metrics.LATENCY.labels(route=route.kind).observe(time.monotonic() - started)
+            return await self._refuse(send, payload, route.style)
+        return await self._forward(ctx, payload, receive, send)
 
     async def _read_body(self, receive: Receive) -> bytes | None:
         """The whole body, or None once it passes the size cap (we stop reading there)."""
@@ -190,7 +213,11 @@ class Listener:
                         task.cancel()
                     return
 
-        watcher = asyncio.get_running_loop().create_task(watch())
+        # Watching for the disconnect costs a task; a request that is over within WATCH_AFTER never
+        # needs it, so the watcher starts only then (a timer handle is far cheaper than a task).
+        loop = asyncio.get_running_loop()
+        watcher: list[asyncio.Task[None]] = []
+        timer = loop.call_later(WATCH_AFTER, lambda: watcher.append(loop.create_task(watch())))
         try:
             return await self.router.forward(ctx, payload, headers, send_tracked, reply)
         except asyncio.CancelledError:
@@ -202,14 +229,17 @@ class Listener:
             log.info("client went away; upstream request cancelled (key %s)", key_id(ctx.key.hash) if ctx.key else "-")
             return 499
         finally:
-            watcher.cancel()
+            timer.cancel()
+            if watcher:
+                watcher[0].cancel()
 
-    async def _refuse(self, send: Send, refusal: Refusal, style: str) -> None:
+    async def _refuse(self, send: Send, refusal: Refusal, style: str) -> int:
         metrics.REFUSALS.labels(reason=refusal.reason).inc()
         body = refusal.body(style)
         headers = [_JSON, (b"content-length", str(len(body)).encode()), *refusal.headers]
         await send({"type": "http.response.start", "status": refusal.status, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
+        return refusal.status
 
 
 async def send_json(send: Send, status: int, data: Any, extra: list[tuple[bytes, bytes]] | None = None) -> None:

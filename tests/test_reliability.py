@@ -139,3 +139,16 @@ def test_unreachable_sim_backend_keeps_model_known(keys):
                 with pytest.raises(openai.InternalServerError) as exc:
                     c.chat.completions.create(model=MODEL, messages=MSG)
             assert exc.value.status_code == 503  # known model, no healthy backend: not a 404
+
+
+def test_access_log_names_keys_by_id_and_never_logs_secrets(keys, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="gateway")
+    with gateway_with_sims(keys, 1, server={"access_log": True}) as (gw, _):
+        with sdk(gw, keys.alice) as c:
+            c.chat.completions.create(model=MODEL, messages=MSG, max_tokens=1)
+        httpx.post(gw.url + "/v1/chat/completions?api_key=sk-in-query", headers={"authorization": "Bearer sk-wrong-key"}, json={})
+    text = caplog.text
+    assert "key=alice/" in text and '"POST /v1/chat/completions" 200' in text
+    assert keys.alice not in text and "sk-wrong-key" not in text and "sk-in-query" not in text and "backend-secret" not in text

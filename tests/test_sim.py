@@ -23,7 +23,7 @@ import orjson
 import pytest
 
 from gateway.sim.config import parse_args
-from gateway.sim.engine import Engine, EngineLimits, Timing
+from gateway.sim.engine import Engine, EngineLimits, Timing, step_seconds
 from gateway.sim.prefix_cache import PrefixCache
 from gateway.sim.tokens import count_text_tokens, text_prompt
 
@@ -259,39 +259,42 @@ def test_second_identical_long_prompt_hits_the_prefix_cache(sim: SimProc) -> Non
     assert after["prompt_tokens"] - before["prompt_tokens"] == 2 * first["prompt_tokens"]
 
 
-async def test_concurrent_requests_share_decode_steps(tmp_path: Path) -> None:
-    args = ("--ttft", "0", "--tpot", "0.01", "--prefill-tokens-per-s", "1e9")
-    with running_sim(tmp_path, *args) as sim:
-        async with httpx.AsyncClient(base_url=sim.url, timeout=10) as client:
-            t0 = time.monotonic()
-            assert (await client.post("/v1/chat/completions", json=chat(max_tokens=30))).status_code == 200
-            single = time.monotonic() - t0
-            t0 = time.monotonic()
-            replies = await asyncio.gather(*(client.post("/v1/chat/completions", json=chat(max_tokens=30)) for _ in range(16)))
-            together = time.monotonic() - t0
-        assert all(r.status_code == 200 for r in replies)
-        assert single >= 0.3  # 30 decode steps of 10 ms
-        assert together < 3 * single  # sequential would take 16x
+@pytest.fixture(scope="module")
+def batching_sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimProc]:
+    """10 ms decode steps, 16 batch slots, free prefill, gauges refreshed at start only."""
+    args = ("--ttft", "0", "--tpot", "0.01", "--prefill-tokens-per-s", "1e9", "--max-batch-size", "16", "--metrics-interval", "3600")
+    with running_sim(tmp_path_factory.mktemp("batching"), *args) as sim:
+        yield sim
 
 
-async def test_requests_beyond_the_batch_slots_wait_and_gauges_are_stale(tmp_path: Path) -> None:
-    args = ("--ttft", "0", "--tpot", "0.01", "--max-batch-size", "2", "--metrics-interval", "3600")
-    with running_sim(tmp_path, *args) as sim:
-        async with httpx.AsyncClient(base_url=sim.url, timeout=10) as client:
-            calls = asyncio.gather(*(client.post("/v1/chat/completions", json=chat(max_tokens=30)) for _ in range(4)))
-            task = asyncio.ensure_future(calls)
-            seen: dict[str, Any] = {}
-            deadline = time.monotonic() + 5
-            while time.monotonic() < deadline and not seen:
-                stats = (await client.get("/_sim/stats")).json()
-                if stats["waiting"] == 2:
-                    seen = stats
-                await asyncio.sleep(0.01)
-            metrics = (await client.get("/metrics")).text
-            replies = await task
-        assert seen["running"] == 2 and all(r.status_code == 200 for r in replies)
-        # Refreshed at start only (interval 3600 s), like lmdeploy's 10 s snapshot.
-        assert 'lmdeploy:num_requests_running{engine="0",model_name="sim-model"} 0.0' in metrics
+async def test_concurrent_requests_share_decode_steps(batching_sim: SimProc) -> None:
+    async with httpx.AsyncClient(base_url=batching_sim.url, timeout=10) as client:
+        t0 = time.monotonic()
+        assert (await client.post("/v1/chat/completions", json=chat(max_tokens=30))).status_code == 200
+        single = time.monotonic() - t0
+        t0 = time.monotonic()
+        replies = await asyncio.gather(*(client.post("/v1/chat/completions", json=chat(max_tokens=30)) for _ in range(16)))
+        together = time.monotonic() - t0
+    assert all(r.status_code == 200 for r in replies)
+    assert single >= 0.3  # 30 decode steps of 10 ms
+    assert together < 3 * single  # one after another would take 16x
+
+
+async def test_requests_beyond_the_batch_slots_wait_and_gauges_are_stale(batching_sim: SimProc) -> None:
+    async with httpx.AsyncClient(base_url=batching_sim.url, timeout=10) as client:
+        calls = asyncio.ensure_future(asyncio.gather(*(client.post("/v1/chat/completions", json=chat(max_tokens=30)) for _ in range(20))))
+        seen: dict[str, Any] = {}
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not seen:
+            stats = (await client.get("/_sim/stats")).json()
+            if stats["waiting"] == 4:
+                seen = stats
+            await asyncio.sleep(0.01)
+        metrics = (await client.get("/metrics")).text
+        replies = await calls
+    assert seen["running"] == 16 and all(r.status_code == 200 for r in replies)
+    # Refreshed at start only (interval 3600 s), like lmdeploy's 10 s snapshot.
+    assert 'lmdeploy:num_requests_running{engine="0",model_name="sim-model"} 0.0' in metrics
 
 
 async def test_client_disconnect_aborts_the_stream_and_frees_the_slot(sim: SimProc) -> None:
@@ -532,6 +535,11 @@ def test_prefix_cache_evicts_chain_tails_first() -> None:
     cache.insert([1, 2, 3], 10)
     cache.insert([7, 8], 3)  # room for 3: the tail of the older chain goes first
     assert cache.match([1, 2, 3]) == 1 and cache.match([7, 8]) == 2
+
+
+def test_step_cost_is_prefill_plus_a_decode_pass_that_slows_with_the_batch() -> None:
+    timing = Timing(ttft=0, tpot=0.01, speed=2.0, prefill_tokens_per_s=1000, batch_slowdown=0.02)
+    assert step_seconds(timing, 500, 10) == pytest.approx((0.5 + 0.01 * 1.2) / 2)
 
 
 async def test_instant_engine_answers_without_a_task() -> None:

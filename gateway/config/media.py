@@ -28,7 +28,8 @@ Schema (every field optional; the defaults let only ``data:`` URLs through)::
 
 A domain entry is ``[http://|https://]host[:port]`` or ``[http://|https://]*.host[:port]``. The host is
 an ASCII DNS name (an internationalised name is written in punycode, ``xn--...``), lower-cased when
-read. ``*.`` matches one or more labels in front of the suffix and never the suffix itself. Without a
+read; IP addresses are never entries. ``*.`` matches one or more labels in front of the suffix and never
+the suffix itself, and the suffix needs at least two labels (``*.com`` is refused). Without a
 port the entry allows the scheme's default port; with one, only that port. ``http://`` allows plain
 http as well as https for that entry; every other entry is https only.
 
@@ -144,18 +145,20 @@ _PARAM = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}\Z")
 
 # -- host names: the one grammar both domain entries and media URLs use -------------------------
 
-_LABEL = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?\Z")
+_LABEL = r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?"
+_HOSTNAME = re.compile(rf"(?:{_LABEL}\.)*{_LABEL}\Z")
 # WHATWG URL parsers read a host whose last label is a number (decimal, octal or 0x-hex) as IPv4.
 _NUMERIC_LABEL = re.compile(r"(?:[0-9]+|0x[0-9a-f]*)\Z")
 
 
 def _is_ip_literal(host: str) -> bool:
     """A second opinion from the standard library: any spelling it reads as an address."""
-    try:
-        ipaddress.ip_address(host)
-        return True
-    except ValueError:
-        pass
+    if ":" in host or host[-1:].isdigit():  # ipaddress is slow to say no; only these could be a yes
+        try:
+            ipaddress.ip_address(host)
+            return True
+        except ValueError:
+            pass
     try:
         socket.inet_aton(host)  # accepts the legacy forms too: 127.1, 0x7f.1, 017700000001
         return True
@@ -178,12 +181,10 @@ def check_host(host: str) -> tuple[str, str] | None:
         return "url_host_trailing_dot", "ends in a dot; remove the trailing dot"
     if len(host) > 253:
         return "url_bad_host", "is longer than 253 characters"
-    labels = host.split(".")
-    if _NUMERIC_LABEL.match(labels[-1]) or _is_ip_literal(host):
+    if _NUMERIC_LABEL.match(host.rpartition(".")[2]) or _is_ip_literal(host):
         return "url_ip_literal", "is an IP address; media must come from a named host"
-    for label in labels:
-        if not _LABEL.match(label):
-            return "url_bad_host", "is not a valid DNS name (dot-separated labels of letters, digits and inner hyphens)"
+    if not _HOSTNAME.match(host):
+        return "url_bad_host", "is not a valid DNS name (dot-separated labels of letters, digits and inner hyphens)"
     return None
 
 
@@ -321,7 +322,8 @@ def read_media(s: Section, auth: AuthConfig) -> MediaConfig:
         if value not in KNOWN_PART_TYPES:
             s.problems.add(
                 f"{s.where('part_types')}[{j}]",
-                f"{value!r} is not a known content part type{did_you_mean(value, KNOWN_PART_TYPES)}; choose from: {', '.join(KNOWN_PART_TYPES)}",
+                f"{value!r} is not a known content part type{did_you_mean(value, KNOWN_PART_TYPES)}; "
+                f"choose from: {', '.join(KNOWN_PART_TYPES)}",
             )
         elif value not in part_types:
             part_types.append(value)
@@ -333,7 +335,10 @@ def read_media(s: Section, auth: AuthConfig) -> MediaConfig:
             return f"{raw!r} is not a MIME type; write it as type/subtype in lower case, e.g. {DEFAULT_MIME_TYPES[kind][0]}"
         if check_magic and (kind, norm) not in SIGNATURES:
             known = ", ".join(m for k, m in SIGNATURES if k == kind)
-            return f"{raw!r} has no known magic-byte signature for {kind}, so check_magic cannot verify it; choose from: {known} (or turn check_magic off)"
+            return (
+                f"{raw!r} has no known magic-byte signature for {kind}, so check_magic cannot verify it; "
+                f"choose from: {known} (or turn check_magic off)"
+            )
         return None
 
     def param_problem(kind: str, norm: str, raw: str) -> str | None:
@@ -348,15 +353,15 @@ def read_media(s: Section, auth: AuthConfig) -> MediaConfig:
 
     max_item = s.int("max_item_bytes", d.max_item_bytes, min=1, max=1 << 34)
     max_request = s.int("max_request_bytes", d.max_request_bytes, min=1, max=1 << 36)
-    if max_item is not None and max_request is not None and max_request < max_item:
+    if max_request < max_item:
         s.error("max_request_bytes", f"{max_request} is smaller than max_item_bytes ({max_item}); a single item could never pass")
     cfg = MediaConfig(
         allowed_domains=domains,
         part_types=tuple(part_types),
         mime_types=mime_types,
         item_params=item_params,
-        max_item_bytes=max_item if max_item is not None else d.max_item_bytes,
-        max_request_bytes=max_request if max_request is not None else d.max_request_bytes,
+        max_item_bytes=max_item,
+        max_request_bytes=max_request,
         max_items=s.int("max_items", d.max_items, min=1, max=100_000),
         max_url_length=s.int("max_url_length", d.max_url_length, min=32, max=65536),
         check_magic=check_magic,

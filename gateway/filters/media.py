@@ -133,9 +133,11 @@ class MediaUrl(NamedTuple):
 _PRINTABLE = re.compile(r"[\x21-\x7e]*\Z")
 _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*\Z")
 _PORT = re.compile(r"[1-9][0-9]{0,4}\Z")
-# RFC 3986 path-abempty and query, with no character left that would need percent-encoding.
-_PATH = re.compile(r"(?:/(?:[A-Za-z0-9\-._~!$&'()*+,;=:@]|%[0-9A-Fa-f]{2})*)*\Z")
-_QUERY = re.compile(r"(?:[A-Za-z0-9\-._~!$&'()*+,;=:@/?]|%[0-9A-Fa-f]{2})*\Z")
+# RFC 3986 path-abempty and query, with no character left that would need percent-encoding:
+# one character class each (linear, no backtracking), then every "%" must start an %XX escape.
+_PATH = re.compile(r"[A-Za-z0-9\-._~!$&'()*+,;=:@/%]*\Z")
+_QUERY = re.compile(r"[A-Za-z0-9\-._~!$&'()*+,;=:@/?%]*\Z")
+_BAD_ESCAPE = re.compile(r"%(?![0-9A-Fa-f]{2})")
 _DOT_SEGMENTS = frozenset({".", "..", "%2e", ".%2e", "%2e.", "%2e%2e"})
 _AUTHORITY_END = re.compile(r"[/?]")
 
@@ -200,15 +202,15 @@ def parse_media_url(text: str, max_length: int = 4096) -> MediaUrl:
         raise MediaRefused(problem[0], f"the URL's host {problem[1]}")
     q = text.find("?", end)
     path_end = q if q >= 0 else len(text)
-    if not _PATH.match(text, end, path_end):
+    path = text[end:path_end]
+    if not _PATH.match(path) or ("%" in path and _BAD_ESCAPE.search(path)):
         raise MediaRefused(
             "url_bad_path", "the URL path contains a character that must be percent-encoded, or a malformed %-escape"
         )
-    if q >= 0 and not _QUERY.match(text, q + 1):
+    if q >= 0 and (not _QUERY.match(text, q + 1) or _BAD_ESCAPE.search(text, q + 1)):
         raise MediaRefused(
             "url_bad_query", "the URL query contains a character that must be percent-encoded, or a malformed %-escape"
         )
-    path = text[end:path_end]
     if "." in path or "%" in path:
         for segment in path.split("/"):
             if segment.lower() in _DOT_SEGMENTS:
@@ -349,10 +351,12 @@ class _Walk:
             size = sum(self._b64(f, 0, mime, kind, where) for f in frames)
         else:
             size = self._b64(text, start, mime, kind, where)
-        if size > self.p.cfg.max_item_bytes:
-            raise MediaRefused(
-                "media_item_too_large", f"the item decodes to {size} bytes, over the limit of {self.p.cfg.max_item_bytes} bytes per item", where
-            )
+        self.within_item_limit(size, where)
+
+    def within_item_limit(self, size: int, where: str) -> None:
+        limit = self.p.cfg.max_item_bytes
+        if size > limit:
+            raise MediaRefused("media_item_too_large", f"the item decodes to {size} bytes, over the limit of {limit} bytes per item", where)
 
     def _b64(self, text: str, start: int, mime: str, kind: str, where: str) -> int:
         n = len(text) - start
@@ -362,14 +366,12 @@ class _Walk:
             raise MediaRefused("data_bad_base64", _BAD_B64, where)
         pad = 2 if text.endswith("==") else 1 if text.endswith("=") else 0
         size = n // 4 * 3 - pad
+        self.within_item_limit(size, where)
         cfg = self.p.cfg
-        if size > cfg.max_item_bytes:
-            raise MediaRefused("media_item_too_large", f"the item decodes to {size} bytes, over the limit of {cfg.max_item_bytes} bytes per item", where)
         self.total += size
         if self.total > cfg.max_request_bytes:
-            raise MediaRefused(
-                "media_request_too_large", f"base64 media in this request decodes to more than {cfg.max_request_bytes} bytes in total", where
-            )
+            why = f"base64 media in this request decodes to more than {cfg.max_request_bytes} bytes in total"
+            raise MediaRefused("media_request_too_large", why, where)
         # Strictness without decoding: deleting the alphabet must leave only the header and the padding.
         left = text.encode("ascii").translate(None, _B64_ALPHABET)
         if left != text[:start].encode("ascii").translate(None, _B64_ALPHABET) + b"=" * pad:
@@ -409,10 +411,8 @@ class _Walk:
             if k in skip:
                 continue
             if k not in allowed:
-                names = ", ".join((*skip, *allowed))
-                raise MediaRefused(
-                    "unexpected_media_field", f"the field {_shown(k)} is not allowed in {kind} items; allowed fields: {names}", _at(where, k)
-                )
+                why = f"the field {_shown(k)} is not allowed in {kind} items; allowed fields: {', '.join((*skip, *allowed))}"
+                raise MediaRefused("unexpected_media_field", why, _at(where, k))
             if not _is_scalar(v):
                 raise MediaRefused("malformed_media", f"the field {k!r} must be a string, number or boolean", _at(where, k))
 
@@ -438,11 +438,13 @@ class _Walk:
         if value is None:
             return
         if "image_url" not in self.p.allowed:
-            raise MediaRefused("unknown_part_type", "image_data is not supported here because image_url parts are not enabled", "image_data")
+            why = "image_data is not supported here because image_url parts are not enabled"
+            raise MediaRefused("unknown_part_type", why, "image_data")
         if isinstance(value, list):
             for i, item in enumerate(value):
                 if not isinstance(item, (str, dict)):
-                    raise MediaRefused("malformed_media", "each image_data item must be a URL string or an object with a url", f"image_data[{i}]")
+                    why = "each image_data item must be a URL string or an object with a url"
+                    raise MediaRefused("malformed_media", why, f"image_data[{i}]")
                 self.media_value(item, "image", f"image_data[{i}]", value, i)
         else:
             self.media_value(value, "image", "image_data", body, "image_data")
@@ -614,7 +616,8 @@ class _Walk:
 
     def responses_ref(self, part: dict[str, Any], fields: tuple[str, ...], kind: str, where: str) -> str:
         if part.get("file_id") is not None:
-            raise MediaRefused("file_id_not_supported", "file_id references are not supported; send the media inline or by URL", f"{where}.file_id")
+            why = "file_id references are not supported; send the media inline or by URL"
+            raise MediaRefused("file_id_not_supported", why, f"{where}.file_id")
         given = [f for f in fields if part.get(f) is not None]
         if len(given) != 1:
             names = " or ".join(fields)

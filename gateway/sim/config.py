@@ -67,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="turbomind answers 501 on the distributed weight-update routes, like lmdeploy")
     a.add_argument("--disable-fastapi-docs", dest="disable_docs", action="store_true", help="no GET / and /openapi.json")
     a.add_argument("--disable-metrics", action="store_true", help="no GET /metrics")
-    a.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
+    a.add_argument("--log-level", default="warning", type=str.lower, choices=("critical", "error", "warning", "info", "debug"),
+                   help="uvicorn's log level (lmdeploy spells it in capitals; both work)")
 
     t = p.add_argument_group("timing (seconds at --speed 1; --ttft 0 --tpot 0 answers instantly, bypassing the scheduler)")
     t.add_argument("--ttft", type=float, default=0.02, help="fixed extra latency before a request reaches the engine")

@@ -51,6 +51,13 @@ class Timing:
         return self.ttft == 0 and self.tpot == 0
 
 
+def step_seconds(timing: Timing, uncached_prompt_tokens: int, batch_size: int) -> float:
+    """The cost of one engine step: prefill of the newly admitted tokens plus one decode pass."""
+    prefill = uncached_prompt_tokens / timing.prefill_tokens_per_s
+    decode = timing.tpot * (1 + batch_size * timing.batch_slowdown)
+    return (prefill + decode) / timing.speed
+
+
 @dataclass(frozen=True, slots=True)
 class EngineLimits:
     max_batch_size: int
@@ -247,10 +254,8 @@ class Engine:
                 admitted = self._admit()
                 if not self.running:
                     continue  # the queue was empty too: the while condition ends the loop
-                t = self.timing
                 uncached = sum(s.prompt.tokens - s.cached_tokens for s in admitted)
-                step = (uncached / t.prefill_tokens_per_s + t.tpot * (1 + len(self.running) * t.batch_slowdown)) / t.speed
-                clock = max(clock, loop.time()) + step
+                clock = max(clock, loop.time()) + step_seconds(self.timing, uncached, len(self.running))
                 await asyncio.sleep(max(0.0, clock - loop.time()))
                 self._advance(admitted, loop.time())
         finally:

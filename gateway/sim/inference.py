@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import zlib
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import orjson
@@ -154,12 +154,25 @@ async def finished(sim: SimState, job: Job, request: Request) -> bool:
     return False
 
 
-def stream(sim: SimState, job: Job, frames: AsyncGenerator[bytes, None]) -> EventStream:
-    return EventStream(frames, lambda: abort_job(sim, job), crash_after=sim.faults.take_crash())
+async def answer(
+    sim: SimState,
+    request: Request,
+    job: Job,
+    body: dict[str, Any],
+    frames: Callable[[Job], AsyncGenerator[bytes, None]],
+    whole: Callable[[Job], dict[str, Any]],
+) -> Response:
+    """Stream the job's frames, or wait for it and send the whole body."""
+    if body.get("stream"):
+        return EventStream(frames(job), lambda: abort_job(sim, job), crash_after=sim.faults.take_crash())
+    if not await finished(sim, job, request):
+        return Response(status_code=499)  # nobody reads it: the client already left
+    return json_response(whole(job))
 
 
-def _gone() -> Response:
-    return Response(status_code=499)  # nobody reads it: the client already left
+def _include_usage(body: dict[str, Any]) -> bool:
+    options = body.get("stream_options")
+    return isinstance(options, dict) and bool(options.get("include_usage"))
 
 
 def _prompt(sim: SimState, text: str) -> Prompt:
@@ -179,12 +192,8 @@ async def chat_completions(request: Request) -> Response:
         raise ApiError(400, f"`n` must be at most {MAX_N}.", param="n")
     budget, limited = output_budget(sim, body, ("max_completion_tokens", "max_tokens"), prompt)
     job = submit(sim, model, [prompt], n, budget, limited, session_id_of(sim, body))
-    if body.get("stream"):
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        return stream(sim, job, chat_frames(job, include_usage))
-    if not await finished(sim, job, request):
-        return _gone()
-    return json_response(chat_body(job))
+    include_usage = _include_usage(body)
+    return await answer(sim, request, job, body, lambda j: chat_frames(j, include_usage), chat_body)
 
 
 async def completions(request: Request) -> Response:
@@ -197,12 +206,8 @@ async def completions(request: Request) -> Response:
         raise ApiError(400, f"`n` times the number of prompts must be at most {MAX_N}.", param="n")
     budget, limited = output_budget(sim, body, ("max_tokens",), max(prompts, key=lambda p: p.tokens))
     job = submit(sim, model, prompts, n, budget, limited, session_id_of(sim, body))
-    if body.get("stream"):
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        return stream(sim, job, completion_frames(job, include_usage))
-    if not await finished(sim, job, request):
-        return _gone()
-    return json_response(completion_body(job))
+    include_usage = _include_usage(body)
+    return await answer(sim, request, job, body, lambda j: completion_frames(j, include_usage), completion_body)
 
 
 _RESPONSES_UNSUPPORTED = ("background", "context_management", "conversation", "previous_response_id", "prompt")
@@ -218,11 +223,7 @@ async def responses(request: Request) -> Response:
     prompt = _prompt(sim, render_responses(body))
     budget, limited = output_budget(sim, body, ("max_output_tokens",), prompt)
     job = submit(sim, model, [prompt], 1, budget, limited)
-    if body.get("stream"):
-        return stream(sim, job, responses_frames(job))
-    if not await finished(sim, job, request):
-        return _gone()
-    return json_response(responses_body(job))
+    return await answer(sim, request, job, body, responses_frames, responses_body)
 
 
 def _anthropic_checks(sim: SimState, request: Request, body: dict[str, Any]) -> str:
@@ -245,11 +246,7 @@ async def messages(request: Request) -> Response:
     prompt = _prompt(sim, render_anthropic(body))
     budget, limited = output_budget(sim, body, ("max_tokens",), prompt)
     job = submit(sim, model, [prompt], 1, budget, limited)
-    if body.get("stream"):
-        return stream(sim, job, messages_frames(job))
-    if not await finished(sim, job, request):
-        return _gone()
-    return json_response(messages_body(job))
+    return await answer(sim, request, job, body, messages_frames, messages_body)
 
 
 async def count_tokens(request: Request) -> Response:
@@ -275,11 +272,7 @@ async def generate(request: Request) -> Response:
     params = body.get("sampling_params") if isinstance(body.get("sampling_params"), dict) else {}
     budget, limited = output_budget(sim, {**body, **params}, ("max_new_tokens", "max_tokens"), prompt)
     job = submit(sim, sim.models[0], [prompt], 1, budget, limited, session_id_of(sim, body))
-    if body.get("stream"):
-        return stream(sim, job, generate_frames(job))
-    if not await finished(sim, job, request):
-        return _gone()
-    return json_response(generate_body(job))
+    return await answer(sim, request, job, body, generate_frames, generate_body)
 
 
 # -- auxiliary routes (no engine time) ---------------------------------------------------------

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,12 +102,13 @@ async def progress(seqs: list[Sequence]) -> AsyncIterator[list[tuple[int, int, i
 # -- OpenAI chat completions ------------------------------------------------------------------
 
 
+def _head(job: Job, id_prefix: str, kind: str) -> dict[str, Any]:
+    return {"id": id_prefix + job.id_hex, "object": kind, "created": job.created, "model": job.model}
+
+
 def chat_body(job: Job) -> dict[str, Any]:
     return {
-        "id": "chatcmpl-" + job.id_hex,
-        "object": "chat.completion",
-        "created": job.created,
-        "model": job.model,
+        **_head(job, "chatcmpl-", "chat.completion"),
         "choices": [
             {
                 "index": i,
@@ -122,14 +123,32 @@ def chat_body(job: Job) -> dict[str, Any]:
 
 
 async def chat_frames(job: Job, include_usage: bool) -> AsyncIterator[bytes]:
-    base = {"id": "chatcmpl-" + job.id_hex, "object": "chat.completion.chunk", "created": job.created, "model": job.model}
+    def token(i: int, k: int) -> dict[str, Any]:
+        delta = {"role": "assistant", "content": token_piece(k)} if k == 0 else {"content": token_piece(k)}
+        return {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
+
+    def end(i: int) -> dict[str, Any]:
+        return {"index": i, "delta": {}, "logprobs": None, "finish_reason": job.finish_of(job.seqs[i])}
+
+    base = _head(job, "chatcmpl-", "chat.completion.chunk")
+    async for frame in _openai_frames(job, base, include_usage, token, end):
+        yield frame
+
+
+async def _openai_frames(
+    job: Job,
+    base: dict[str, Any],
+    include_usage: bool,
+    token: Callable[[int, int], dict[str, Any]],
+    end: Callable[[int], dict[str, Any]],
+) -> AsyncIterator[bytes]:
+    """One chunk per token of choice ``i``, a finish chunk per choice, the usage chunk, ``[DONE]``."""
     async for batch in progress(job.seqs):
-        for i, start, end, done in batch:
-            for k in range(start, end):
-                delta = {"role": "assistant", "content": token_piece(k)} if k == 0 else {"content": token_piece(k)}
-                yield sse({**base, "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]})
+        for i, start, stop, done in batch:
+            for k in range(start, stop):
+                yield sse({**base, "choices": [token(i, k)]})
             if done:  # an admin abort ends the choice with "abort"; a hang-up has stopped the writer already
-                yield sse({**base, "choices": [{"index": i, "delta": {}, "logprobs": None, "finish_reason": job.finish_of(job.seqs[i])}]})
+                yield sse({**base, "choices": [end(i)]})
     if include_usage:
         yield sse({**base, "choices": [], "usage": job.openai_usage()})
     yield SSE_DONE
@@ -140,10 +159,7 @@ async def chat_frames(job: Job, include_usage: bool) -> AsyncIterator[bytes]:
 
 def completion_body(job: Job) -> dict[str, Any]:
     return {
-        "id": "cmpl-" + job.id_hex,
-        "object": "text_completion",
-        "created": job.created,
-        "model": job.model,
+        **_head(job, "cmpl-", "text_completion"),
         "choices": [
             {"index": i, "text": output_text(0, s.generated), "logprobs": None, "finish_reason": job.finish_of(s)}
             for i, s in enumerate(job.seqs)
@@ -153,16 +169,15 @@ def completion_body(job: Job) -> dict[str, Any]:
 
 
 async def completion_frames(job: Job, include_usage: bool) -> AsyncIterator[bytes]:
-    base = {"id": "cmpl-" + job.id_hex, "object": "text_completion", "created": job.created, "model": job.model}
-    async for batch in progress(job.seqs):
-        for i, start, end, done in batch:
-            for k in range(start, end):
-                yield sse({**base, "choices": [{"index": i, "text": token_piece(k), "logprobs": None, "finish_reason": None}]})
-            if done:
-                yield sse({**base, "choices": [{"index": i, "text": "", "logprobs": None, "finish_reason": job.finish_of(job.seqs[i])}]})
-    if include_usage:
-        yield sse({**base, "choices": [], "usage": job.openai_usage()})
-    yield SSE_DONE
+    def token(i: int, k: int) -> dict[str, Any]:
+        return {"index": i, "text": token_piece(k), "logprobs": None, "finish_reason": None}
+
+    def end(i: int) -> dict[str, Any]:
+        return {"index": i, "text": "", "logprobs": None, "finish_reason": job.finish_of(job.seqs[i])}
+
+    base = _head(job, "cmpl-", "text_completion")
+    async for frame in _openai_frames(job, base, include_usage, token, end):
+        yield frame
 
 
 # -- OpenAI Responses -------------------------------------------------------------------------

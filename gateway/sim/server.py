@@ -6,6 +6,7 @@ launcher sees connection-refused first and must poll ``/health``.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import socket
 import time
@@ -24,7 +25,7 @@ class SimHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self.scope["extensions"] = {TRANSPORT_KEY: self.transport}
+        self.scope.setdefault("extensions", {})[TRANSPORT_KEY] = self.transport  # type: ignore[typeddict-item]
 
 
 class SimServer(uvicorn.Server):
@@ -35,7 +36,9 @@ class SimServer(uvicorn.Server):
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
         if self.started:
-            print(self.ready_line, flush=True)
+            # A launcher that stopped reading our stdout must not stop us from serving.
+            with contextlib.suppress(OSError):
+                print(self.ready_line, flush=True)
 
 
 def _graceful_exit(signum: int, frame: FrameType | None) -> None:

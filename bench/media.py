@@ -1,0 +1,123 @@
+"""What the media policy costs per request, side by side with parsing the same body.
+
+Rows: a text-only chat body (the fast path), the same as SDK-style text parts, one 1 MiB image as
+a base64 PNG data URL, four https image URLs, and an Anthropic body with one 1 MiB base64 image.
+Baselines from the same run: ``orjson.loads`` of the body, and the gateway's own strict parse
+(``BodyPolicy.parse``: duplicate keys refused, depth bounded), which every request pays anyway.
+
+    python bench/media.py [--repeat 7] [--check-magic]
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from gateway.config import LimitsConfig  # noqa: E402
+from gateway.config.media import MediaConfig  # noqa: E402
+from gateway.filters import RequestContext  # noqa: E402
+from gateway.filters.body import BodyPolicy  # noqa: E402
+from gateway.filters.media import MediaPolicy  # noqa: E402
+from gateway.routes import ROUTES  # noqa: E402
+
+MODEL = "bench-model"
+
+
+def bodies() -> list[tuple[str, str, dict[str, Any]]]:
+    png = b"\x89PNG\r\n\x1a\n" + os.urandom(1024 * 1024 - 8)
+    image = "data:image/png;base64," + base64.b64encode(png).decode()
+    conversation = [
+        {"role": "system", "content": "You are a helpful assistant. Answer briefly and cite sources."},
+        {"role": "user", "content": "What is the capital of France? " * 8},
+        {"role": "assistant", "content": "Paris is the capital of France. " * 6},
+        {"role": "user", "content": "And of Germany? Please explain the history in a few sentences."},
+    ]
+    text_parts = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in conversation]
+    look = {"type": "text", "text": "What is in these images?"}
+    urls = [{"type": "image_url", "image_url": {"url": f"https://images.example.com/photos/{i}/cat.jpg?w=1024&sig=ab%2Fcd{i}"}} for i in range(4)]
+    return [
+        ("text-only chat (4 messages)", "chat", {"model": MODEL, "messages": conversation, "max_tokens": 64}),
+        ("text-only chat, text parts", "chat", {"model": MODEL, "messages": text_parts, "max_tokens": 64}),
+        ("1 MiB base64 PNG (chat)", "chat", {"model": MODEL, "messages": [{"role": "user", "content": [look, {"type": "image_url", "image_url": {"url": image}}]}]}),
+        ("4 https image URLs (chat)", "chat", {"model": MODEL, "messages": [{"role": "user", "content": [look, *urls]}]}),
+        (
+            "1 MiB base64 PNG (anthropic)",
+            "messages",
+            {
+                "model": MODEL,
+                "max_tokens": 64,
+                "messages": [{"role": "user", "content": [look, {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": image.split(",", 1)[1]}}]}],
+            },
+        ),
+    ]
+
+
+def per_call(fn: Callable[[], Any], repeat: int, budget: float = 0.2) -> float:
+    """Seconds per call: the best of ``repeat`` timed loops, each sized to about ``budget`` seconds."""
+    n, elapsed = 1, 0.0
+    while True:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        elapsed = time.perf_counter() - t0
+        if elapsed > budget / 4 or n >= 1 << 22:
+            break
+        n *= 4
+    n = max(1, int(n * budget / max(elapsed, 1e-9) / 4))
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / n)
+    return best
+
+
+def fmt(seconds: float) -> str:
+    if seconds < 1e-6:
+        return f"{seconds * 1e9:7.0f} ns"
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:7.1f} µs"
+    return f"{seconds * 1e3:7.2f} ms"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--check-magic", action="store_true", help="also check magic bytes (decodes the first 18 bytes)")
+    args = ap.parse_args()
+
+    policy = MediaPolicy(MediaConfig(allowed_domains=("images.example.com",), check_magic=args.check_magic))
+    parser = BodyPolicy(LimitsConfig())
+    paths = {"chat": "/v1/chat/completions", "messages": "/v1/messages"}
+
+    print(f"media policy cost per request (best of {args.repeat}; check_magic={args.check_magic}; Python {sys.version.split()[0]})")
+    header = f"{'body':32} {'size':>9}  {'orjson.loads':>12}  {'BodyPolicy.parse':>16}  {'MediaPolicy':>12}  {'policy/orjson':>13}"
+    print(header)
+    print("-" * len(header))
+    for name, kind, body in bodies():
+        raw = orjson.dumps(body)
+        route = ROUTES[("POST", paths[kind])]
+        ctx = RequestContext({}, route, {})
+        ctx.body = orjson.loads(raw)
+        assert policy.check_body(ctx) is None, name  # every row passes; the body is not rewritten
+        parse_ctx = RequestContext({}, route, {})
+
+        t_json = per_call(lambda: orjson.loads(raw), args.repeat)
+        t_parse = per_call(lambda: parser.parse(parse_ctx, raw), args.repeat)
+        t_policy = per_call(lambda: policy.check_body(ctx), args.repeat)
+        size = f"{len(raw) / 1024:.1f} KiB" if len(raw) < 1 << 20 else f"{len(raw) / (1 << 20):.2f} MiB"
+        print(f"{name:32} {size:>9}  {fmt(t_json):>12}  {fmt(t_parse):>16}  {fmt(t_policy):>12}  {t_policy / t_json:12.2f}x")
+
+
+if __name__ == "__main__":
+    main()
