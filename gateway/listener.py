@@ -67,6 +67,8 @@ class Listener:
         self.router = gateway.router
         self.max_body = gateway.config.limits.max_body_bytes
         self.access_log = gateway.config.server.access_log
+        self._counters: dict[tuple[str, int], Any] = {}
+        self._histograms: dict[str, Any] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -105,9 +107,15 @@ class Listener:
             ctx = None
         else:
             status, kind = await self._run(ctx, receive, send), ctx.route.kind
-        metrics.REQUESTS.labels(route=kind, status=_STATUS_CLASS.get(status // 100, "other")).inc()
+        counter = self._counters.get((kind, status // 100))
+        if counter is None:  # labels() takes a lock and validates: look each child up once
+            counter = self._counters[(kind, status // 100)] = metrics.REQUESTS.labels(route=kind, status=_STATUS_CLASS.get(status // 100, "other"))
+        counter.inc()
         if kind != "unrouted":
-            metrics.LATENCY.labels(route=kind).observe(time.monotonic() - started)
+            histogram = self._histograms.get(kind)
+            if histogram is None:
+                histogram = self._histograms[kind] = metrics.LATENCY.labels(route=kind)
+            histogram.observe(time.monotonic() - started)
         if self.access_log:
             key = ctx.key if ctx is not None else None
             # Keys are named by their configured name and a short id of their hash, never by value.

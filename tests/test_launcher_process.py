@@ -244,6 +244,7 @@ async def test_a_crash_loop_stops_after_max_restarts_and_is_reported(tmp_path, c
         await until(lambda: lm.instances[0].state == "crash_loop", 15, "crash_loop")
         inst = lm.instances[0]
         assert inst.restarts == 2
+        assert record.exists(), inst.log.path.read_text()
         assert len(record.read_text().splitlines()) == 3, "N restarts, then it stops"
         assert "exited with code 3 before it became healthy; gave up after 3 attempt(s) in a row" in inst.error
         assert lm.failed_count() == 1

@@ -22,6 +22,7 @@ from gateway.filters.auth import hash_key, new_key
 from support import GatewayServer, Sim
 from test_media_policy import (
     CASES,
+    D_PNG,
     MEDIA_CONFIGS,
     MODEL,
     NARROW_KEY,
@@ -222,3 +223,22 @@ def test_anthropic_sdk_refusal_names_the_place(env: Env, keys):
             )
     assert "messages[0].content[0].source.url" in str(exc.value)
     assert env.forwarded() == []
+
+
+def test_dns_check_refuses_an_allowed_host_that_resolves_to_loopback(env: Env, keys):
+    config = {
+        "auth": {"keys": keys.entries},
+        "backends": [{"url": env.sim.url, "api_key": "backend-secret", "name": "sim"}],
+        "health": {"interval": 0.2, "timeout": 1.0},
+        "media": {"allowed_domains": ["localhost"], "resolve_dns": True, "dns_timeout": 5},
+    }
+    body = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "https://localhost/a.png"}]}]}
+    with GatewayServer(config) as gw, httpx.Client(base_url=gw.url, headers={"authorization": f"Bearer {keys.alice}"}, timeout=20) as c:
+        env.sim.clear()
+        before = refused_count("dns_non_global")
+        r = c.post("/v1/chat/completions", json=body)
+        assert_refused_in_route_shape(r, "chat", "dns_non_global", "messages[0].content[0].image_url")
+        assert env.forwarded() == []
+        assert refused_count("dns_non_global") == before + 1
+        r = c.post("/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": D_PNG}]}]})
+        assert len(env.forwarded()) == 1, r.text

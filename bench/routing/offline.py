@@ -172,7 +172,7 @@ def replay(policy: str, speeds: list[float], trace, params: SimParams, cfg: Bala
     def refresh() -> None:
         for e in engines:
             e.refresh()
-        if loop._q:
+        if len(results) < len(trace.items):
             loop.at(loop.now + params.metrics_interval, refresh)
 
     def scrape() -> None:
@@ -182,7 +182,7 @@ def replay(policy: str, speeds: list[float], trace, params: SimParams, cfg: Bala
             changed = update_signals(sig, {"lmdeploy:num_requests_running": r, "lmdeploy:num_requests_waiting": w,
                                            "lmdeploy:gpu_cache_usage_perc": kv, "lmdeploy:generation_tokens_total": tokens}, loop.now)
             bal.observe_signals(b, sig, changed)
-        if loop._q:
+        if len(results) < len(trace.items):
             loop.at(loop.now + cfg.scrape_interval, scrape)
 
     for i, item in enumerate(trace.items):
@@ -194,7 +194,6 @@ def replay(policy: str, speeds: list[float], trace, params: SimParams, cfg: Bala
     skip = int(len(trace.items) * warmup)
     lat = sorted(results[i][0] for i in range(skip, len(trace.items)))
     ttft = [results[i][1] for i in range(skip, len(trace.items))]
-    share = [sum(1 for _ in ()) for _ in engines]
     prompt = sum(e.prompt_tokens for e in engines)
     return {
         "policy": policy,
@@ -204,7 +203,6 @@ def replay(policy: str, speeds: list[float], trace, params: SimParams, cfg: Bala
         "ttft_mean": statistics.fmean(ttft),
         "hit_rate": sum(e.cached_tokens for e in engines) / prompt if prompt else 0.0,
         "share": "/".join(f"{100 * e.prompt_tokens / prompt:.0f}" for e in engines) if prompt else "",
-        "_": share,
     }
 
 

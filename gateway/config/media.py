@@ -23,7 +23,7 @@ Schema (every field optional; the defaults let only ``data:`` URLs through)::
       max_items: 64               # media items (URLs and base64) in one request
       max_url_length: 4096
       check_magic: false          # also require the decoded bytes to start with the MIME type's signature
-      resolve_dns: false          # resolve allowed hosts; refuse any non-global address
+      resolve_dns: false          # resolve allowed hosts, refuse any non-global address (listener awaits check_body_async)
       dns_timeout: 2.0
 
 A domain entry is ``[http://|https://]host[:port]`` or ``[http://|https://]*.host[:port]``. The host is

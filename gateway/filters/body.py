@@ -78,24 +78,30 @@ class BodyPolicy:
 
     # -- body stage ---------------------------------------------------------------------------------
     def parse(self, ctx: RequestContext, raw: bytes) -> Refusal | None:
-        """Parse strictly into ctx.body and ctx.model; drop engine knobs."""
+        """Parse strictly into ctx.body and ctx.model; drop engine knobs.
+
+        orjson is the one parser: it refuses invalid UTF-8, a BOM, NaN/Infinity, numbers that
+        overflow to infinity, lone surrogates and control characters in strings. It keeps the last
+        of duplicate keys, so duplicates are detected separately (see ``_maybe_duplicates``).
+        """
         try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            return _bad("Request body is not valid UTF-8.", "invalid_utf8")
-        try:
-            body = _decoder.decode(text)
-        except _DuplicateKey as exc:
-            return _bad(f"Duplicate key {str(exc)[:64]!r} in the request body.", "duplicate_key")
-        except RecursionError:
-            return _bad(f"Request body is nested deeper than {self.max_depth} levels.", "too_deep")
-        except ValueError as exc:
-            msg = str(exc).split(":")[0][:120]
-            return _bad(f"Request body is not valid JSON: {msg}.", "invalid_json")
-        if not isinstance(body, dict):
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            msg = str(exc)
+            if "UTF-8" in msg:
+                return _bad("Request body is not valid UTF-8.", "invalid_utf8")
+            if "depth" in msg:
+                return _bad(f"Request body is nested deeper than {self.max_depth} levels.", "too_deep")
+            return _bad(f"Request body is not valid JSON: {msg.split(':')[0][:120]}.", "invalid_json")
+        if type(body) is not dict:
             return _bad("Request body must be a JSON object.", "not_an_object")
-        if _depth_exceeds(body, self.max_depth):
+        shape = _shape(body, self.max_depth)
+        if shape is None:
             return _bad(f"Request body is nested deeper than {self.max_depth} levels.", "too_deep")
+        if _maybe_duplicates(raw, *shape):
+            duplicate = _find_duplicate(raw)
+            if duplicate is not None:
+                return _bad(f"Duplicate key {duplicate[:64]!r} in the request body.", "duplicate_key")
         for name in self.drop:
             body.pop(name, None)
         model = body.get("model")
@@ -118,19 +124,53 @@ class BodyPolicy:
             return _bad("Request body contains a value that cannot be forwarded (an invalid Unicode escape or an integer out of range).", reason)
 
 
-def _depth_exceeds(obj: Any, limit: int) -> bool:
+def _shape(obj: dict[str, Any], limit: int) -> tuple[int, int] | None:
+    """(object entries, colons inside strings) of a parsed body; None when nested deeper than limit."""
+    entries = colons = 0
     stack: list[tuple[Any, int]] = [(obj, 1)]
     pop, push = stack.pop, stack.append
     while stack:
         node, depth = pop()
         if depth > limit:
-            return True
-        if isinstance(node, dict):
-            for v in node.values():
-                if isinstance(v, (dict, list)):
+            return None
+        if type(node) is dict:
+            entries += len(node)
+            for k, v in node.items():
+                colons += k.count(":")
+                t = type(v)
+                if t is str:
+                    colons += v.count(":")
+                elif t is dict or t is list:
                     push((v, depth + 1))
         else:
             for v in node:
-                if isinstance(v, (dict, list)):
+                t = type(v)
+                if t is str:
+                    colons += v.count(":")
+                elif t is dict or t is list:
                     push((v, depth + 1))
-    return False
+    return entries, colons
+
+
+def _maybe_duplicates(raw: bytes, entries: int, colons: int) -> bool:
+    """False only when the body certainly has no duplicate key.
+
+    Every colon in valid JSON is either the separator of one object entry or inside a string,
+    where it is written as ':' or as the escape \\u003a. So without duplicates
+    ``raw colons == parsed entries + colons in parsed strings - escaped colons``. A duplicate key
+    adds raw entries (and their colons) that the parsed object no longer has, so the left side
+    grows; an over-counted escape (an escaped backslash before 'u003a') only shrinks the right.
+    Any mismatch sends the body to the exact, slower check.
+    """
+    escaped = raw.count(b"\\u003a") + raw.count(b"\\u003A")
+    return raw.count(b":") != entries + colons - escaped
+
+
+def _find_duplicate(raw: bytes) -> str | None:
+    try:
+        _decoder.decode(raw.decode("utf-8"))
+    except _DuplicateKey as exc:
+        return str(exc)
+    except (ValueError, RecursionError):
+        pass
+    return None
