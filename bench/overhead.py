@@ -2,7 +2,8 @@
 
 Targets, all against the same very fast fake backend (bench/fake_backend.py):
   direct            the backend itself: the limit
-  gateway                  auth, path/body/media policy, balancer, aiohttp used directly (the default)
+  gateway                  auth, path/body/media policy, balancer, our HTTP/1.1 client (the default)
+  gateway[aiohttp]         the same with an aiohttp ClientSession
   gateway[httpx-aiohttp]   the same over httpx with the aiohttp transport of httpx-aiohttp
   gateway[httpx]           the same with httpx's own connection pool
   lmdeploy-proxy    `lmdeploy serve proxy`, when lmdeploy is installed
@@ -115,8 +116,11 @@ def gateway_config(path: Path, backend_port: int, key_hash: str, transport: str)
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--duration", type=float, default=5.0, help="seconds per measurement")
-    ap.add_argument("--targets", default="direct,gateway,gateway[httpx-aiohttp],gateway[httpx],lmdeploy-proxy")
+    ap.add_argument("--targets", default="direct,gateway,gateway[aiohttp],gateway[httpx-aiohttp],gateway[httpx],lmdeploy-proxy")
     ap.add_argument("--concurrency", default="1,32")
+    local = ROOT / ".venv-lmdeploy" / "bin" / "lmdeploy"
+    ap.add_argument("--lmdeploy", default=shutil.which("lmdeploy") or (str(local) if local.exists() else None),
+                    help="the lmdeploy executable for the proxy baseline (default: on PATH, or .venv-lmdeploy/bin)")
     args = ap.parse_args()
     if shutil.which("wrk") is None:
         sys.exit("wrk is not installed (apt-get install wrk)")
@@ -140,7 +144,7 @@ def main() -> None:
                 if target == "direct":
                     url, k = f"http://127.0.0.1:{backend_port}/v1/chat/completions", None
                 elif target.startswith("gateway"):
-                    transport = target[len("gateway["):-1] if "[" in target else "aiohttp"
+                    transport = target[len("gateway["):-1] if "[" in target else "native"
                     port = free_port()
                     cfg = tmp / f"{transport}.yaml"
                     gateway_config(cfg, backend_port, hash_key(key), transport)
@@ -148,12 +152,12 @@ def main() -> None:
                     wait_http(f"http://127.0.0.1:{port}/ready")
                     url, k = f"http://127.0.0.1:{port}/v1/chat/completions", key
                 elif target == "lmdeploy-proxy":
-                    if shutil.which("lmdeploy") is None:
+                    if not args.lmdeploy:
                         print("lmdeploy-proxy: skipped (lmdeploy is not installed here)")
                         continue
                     port = free_port()
-                    pid = stack.enter_context(process(["lmdeploy", "serve", "proxy", "--server-name", "127.0.0.1", "--server-port", str(port), "--routing-strategy", "min_expected_latency"])).pid
-                    wait_http(f"http://127.0.0.1:{port}/v1/models")
+                    pid = stack.enter_context(process([args.lmdeploy, "serve", "proxy", "--server-name", "127.0.0.1", "--server-port", str(port), "--routing-strategy", "min_expected_latency"])).pid
+                    wait_http(f"http://127.0.0.1:{port}/v1/models", timeout=180)  # it imports torch first
                     httpx.post(f"http://127.0.0.1:{port}/nodes/add", json={"url": f"http://127.0.0.1:{backend_port}", "status": {"models": [MODEL], "role": 1}})
                     url, k = f"http://127.0.0.1:{port}/v1/chat/completions", None
                 else:

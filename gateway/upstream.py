@@ -3,8 +3,10 @@
 One client per process, chosen by ``upstream.transport`` and measured side by side in
 ``bench/overhead.py``:
 
-- ``aiohttp`` (default): an aiohttp ``ClientSession`` used directly, with the request URL of each
-  (backend, route) pair built once. The leanest hot path.
+- ``native`` (default): our keep-alive HTTP/1.1 client on asyncio + httptools (``h1.py``). The
+  leanest hot path.
+- ``aiohttp``: an aiohttp ``ClientSession`` used directly, with the request URL of each
+  (backend, route) pair built once.
 - ``httpx-aiohttp``: an ``httpx.AsyncClient`` over the aiohttp transport of ``httpx-aiohttp``.
 - ``httpx``: httpx with its own connection pool, which collapses under concurrency; kept only so
   the benchmark can show it.
@@ -17,8 +19,10 @@ chunk by chunk as they arrive, never re-framed.
 from __future__ import annotations
 
 import asyncio
+import ssl
 import sys
 from typing import AsyncIterator
+from urllib.parse import urlsplit
 
 import aiohttp
 import httpx
@@ -26,6 +30,7 @@ from httpx_aiohttp import AiohttpTransport
 from yarl import URL
 
 from .config import TimeoutsConfig
+from .h1 import ConnectFailed, ConnectionLost, ConnectTimeout, H1Pool
 
 if sys.version_info >= (3, 11):
     from asyncio import timeout as _timeout
@@ -36,7 +41,7 @@ else:  # pragma: no cover - Python 3.10
 FORWARD_REQUEST_HEADERS = (b"accept", b"anthropic-version", b"anthropic-beta")
 # Response headers a client may see from a backend.
 FORWARD_RESPONSE_HEADERS = frozenset((b"content-type", b"retry-after"))
-TRANSPORTS = ("aiohttp", "httpx-aiohttp", "httpx")
+TRANSPORTS = ("native", "aiohttp", "httpx-aiohttp", "httpx")
 _KEEPALIVE = 4.0  # below uvicorn's 5 s default, so we close idle sockets before the backend does
 
 
@@ -176,6 +181,64 @@ class AiohttpUpstream(Upstream):
         await self.session.close()
 
 
+class NativeUpstream(Upstream):
+    """Our own keep-alive HTTP/1.1 client (gateway/h1.py): one write per request, no URL objects."""
+
+    def __init__(self, timeouts: TimeoutsConfig):
+        super().__init__(timeouts)
+        self._targets: dict[str, tuple[H1Pool, bytes]] = {}
+        self._pools: dict[tuple[str, str, int], H1Pool] = {}
+        self._tls: ssl.SSLContext | None = None
+
+    def _target(self, url: str) -> tuple[H1Pool, bytes]:
+        """The pool and the request-line prefix for one (backend, route) URL, built once."""
+        parts = urlsplit(url)
+        scheme, host = parts.scheme, parts.hostname or ""
+        port = parts.port or (443 if scheme == "https" else 80)
+        key = (scheme, host, port)
+        pool = self._pools.get(key)
+        if pool is None:
+            tls = None
+            if scheme == "https":
+                tls = self._tls = self._tls or ssl.create_default_context()
+            pool = self._pools[key] = H1Pool(host, port, self.timeouts.connect, tls)
+        netloc = parts.netloc.encode("ascii")
+        prefix = b"POST " + parts.path.encode("ascii") + b" HTTP/1.1\r\nhost: " + netloc + b"\r\ncontent-type: application/json\r\n"
+        self._targets[url] = (pool, prefix)
+        return pool, prefix
+
+    async def _send(self, url: str, payload: bytes, headers: list[tuple[bytes, bytes]]) -> UpstreamResponse:
+        target = self._targets.get(url) or self._target(url)
+        pool, prefix = target
+        lines = [prefix, b"content-length: ", str(len(payload)).encode(), b"\r\n"]
+        for k, v in headers:
+            if k != b"content-type":
+                lines += (k, b": ", v, b"\r\n")
+        lines.append(b"\r\n")
+        try:
+            resp = await pool.request(b"".join(lines), payload)
+        except ConnectFailed:
+            raise UpstreamFailure("connect_refused") from None
+        except ConnectTimeout:
+            raise UpstreamTimeout("connect") from None
+        except ConnectionLost:
+            raise UpstreamFailure("reset") from None
+
+        async def raw() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in resp.chunks():
+                    yield chunk
+            except ConnectionLost:
+                raise UpstreamFailure("reset") from None
+
+        headers_out = [(k, v) for k, v in resp.headers if k in FORWARD_RESPONSE_HEADERS]
+        return UpstreamResponse(resp.status, headers_out, lambda: self._bounded(raw()), resp.aclose)
+
+    async def aclose(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+
+
 class HttpxUpstream(Upstream):
     def __init__(self, client: httpx.AsyncClient, timeouts: TimeoutsConfig):
         super().__init__(timeouts)
@@ -231,6 +294,8 @@ def make_client(timeouts: TimeoutsConfig, max_connections: int = 256, transport_
 
 
 def make_upstream(transport: str, timeouts: TimeoutsConfig, max_connections: int) -> Upstream:
+    if transport == "native":
+        return NativeUpstream(timeouts)
     if transport == "aiohttp":
         return AiohttpUpstream(timeouts, max_connections)
     return HttpxUpstream(make_client(timeouts, max_connections, transport), timeouts)

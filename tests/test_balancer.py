@@ -47,8 +47,7 @@ def mel(clock: Clock | None = None, seed: int = 0, **cfg) -> ExpectedLatencyBala
 def set_sigma(bal: ExpectedLatencyBalancer, b: Backend, sigma: float) -> None:
     """Give b a long history at speed sigma, so the fleet prior no longer matters."""
     m = bal._model(b)
-    m.sx = 1e6
-    m.sy = sigma * 1e6
+    m.w, m.sn, m.sy = 1e6, 0.0, sigma * 1e6
 
 
 def req(prompt: int = 1, out: int = 100, stream: bool = False, keys: tuple[int, ...] = ()) -> RequestInfo:
@@ -380,7 +379,7 @@ def test_failed_requests_teach_nothing():
     bal.dispatched(a, r)
     clock.t += 100.0
     bal.completed(a, r, Outcome(status=502, ok=False, duration=100.0, completion_tokens=100))
-    assert bal._model(a).sx == 0.0
+    assert bal._model(a).w == 0.0
     assert bal._sizes("m").fill == 1.0
 
 

@@ -49,14 +49,16 @@ process_cpu_seconds_total 12.0
 def test_parse_metrics_reads_lmdeploy_gauges(text, expected):
     assert parse_metrics(text) == pytest.approx(expected)
 
-def test_signals_change_only_when_the_gauges_refresh_and_the_token_rate_follows_the_counters():
+def test_signals_change_only_when_the_gauges_refresh_while_the_token_rate_follows_the_counters():
     sig = Signals()
     values = {"lmdeploy:num_requests_running": 4.0, "lmdeploy:generation_tokens_total": 100.0}
     assert update_signals(sig, values, now=10.0) is True  # the first poll
     assert update_signals(sig, values, now=12.0) is False  # LMDeploy refreshes every 10 s
-    assert update_signals(sig, {**values, "lmdeploy:generation_tokens_total": 600.0}, now=20.0) is True
+    # counters move on every poll, and that is no refresh of the gauges
+    assert update_signals(sig, {**values, "lmdeploy:generation_tokens_total": 600.0}, now=20.0) is False
     assert sig.token_rate == pytest.approx(50.0)
-    assert (sig.changed_at, sig.scraped_at) == (20.0, 20.0)
+    assert update_signals(sig, {**values, "lmdeploy:num_requests_running": 5.0, "lmdeploy:generation_tokens_total": 600.0}, now=22.0) is True
+    assert (sig.changed_at, sig.scraped_at) == (22.0, 22.0)
     assert sig.fresh(40.0) and not sig.fresh(60.0)
 
 class _FakeBackends:

@@ -130,7 +130,12 @@ def serve(tmp_path: Path, keys, **launch) -> tuple[subprocess.Popen, str]:
         except httpx.HTTPError:
             return False
 
-    wait_until(ready, 30, 0.05, "gateway /ready")
+    try:
+        wait_until(ready, 30, 0.05, "gateway /ready")
+    except TimeoutError:
+        proc.kill()
+        proc.wait(10)
+        raise AssertionError((tmp_path / "gateway.err").read_text()[-5000:]) from None
     return proc, url
 
 

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -128,6 +129,7 @@ async def test_instances_join_the_pool_only_once_healthy_and_answer_only_the_int
         status = lm.status()
         assert [r["state"] for r in status["instances"]] == ["healthy"] * 3 and status["failed"] == 0
         assert all(r["pid"] for r in status["instances"])
+        assert re.fullmatch(r"[0-9a-f]{64}", lm.backend_key), "never a leading '-' that argparse would take for a flag"
         pids = pids_of(lm)
         assert len(pids) == 6  # a guard and an api_server per instance
         await until(lambda: out.getvalue().endswith("\n"), 2, "the final progress line")
@@ -213,7 +215,7 @@ async def test_kill_9_under_load_keeps_serving_from_the_others_and_the_dead_one_
 
 async def test_an_instance_that_never_becomes_healthy_fails_with_the_reason(tmp_path, caplog):
     caplog.set_level(logging.INFO, "gateway.launcher")
-    lm, pool = launcher(tmp_path, sim_group(instances=1, start_timeout=1.0, max_restarts=0, sim={"initializing_for": 60}))
+    lm, pool = launcher(tmp_path, sim_group(instances=1, start_timeout=3.0, max_restarts=0, sim={"initializing_for": 60}))
     await lm.start()
     try:
         pids = set()
@@ -222,7 +224,7 @@ async def test_an_instance_that_never_becomes_healthy_fails_with_the_reason(tmp_
         assert await lm.wait_ready(10) is False
         inst = lm.instances[0]
         assert inst.state == "failed"
-        assert "not healthy within start_timeout=1s (last /health: initializing)" in inst.error
+        assert "not healthy within start_timeout=3s (last /health: initializing)" in inst.error
         assert lm.failed_count() == 1 and lm.status()["failed"] == 1
         assert len(pool) == 0
         errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]

@@ -77,7 +77,7 @@ class TimeoutsConfig:
 
 @dataclass(frozen=True)
 class UpstreamConfig:
-    transport: str = "aiohttp"  # see gateway/upstream.py; the others are there to be measured against
+    transport: str = "native"  # see gateway/upstream.py; the others are there to be measured against
     max_connections: int = 4096
 
 
@@ -246,7 +246,7 @@ def read_health(s: Section) -> HealthConfig:
 
 
 
-TRANSPORTS = ("aiohttp", "httpx-aiohttp", "httpx")
+TRANSPORTS = ("native", "aiohttp", "httpx-aiohttp", "httpx")
 
 
 def read_upstream(s: Section) -> UpstreamConfig:

@@ -140,7 +140,8 @@ class Launcher:
         self._progress_stream = progress
         self._progress_tty = progress_tty
         # The key every instance requires; only this process holds it, and a new start makes a new one.
-        self.backend_key = secrets.token_urlsafe(32)
+        # Hex, not token_urlsafe: a key starting with "-" would read as a flag to argparse.
+        self.backend_key = secrets.token_hex(32)
         self.plans: list[GroupPlan] = []
         self.instances: list[Instance] = []
         self._client: httpx.AsyncClient | None = None

@@ -43,6 +43,7 @@ class RequestInfo:
     out_tokens: float = field(default=0.0, init=False, repr=False)  # expected completion tokens
     uncached: float = field(default=0.0, init=False, repr=False)  # expected prompt tokens the backend must prefill
     prefill_ahead: float = field(default=0.0, init=False, repr=False)  # prefill tokens queued before this one, incl. its own
+    kv_tokens: float = field(default=0.0, init=False, repr=False)  # KV the request holds at its end: prompt + output
     dispatched_at: float = field(default=0.0, init=False, repr=False)
     first_byte_at: float = field(default=0.0, init=False, repr=False)
     area_at: float = field(default=0.0, init=False, repr=False)  # the backend's ∫batch dt when decoding began
@@ -189,22 +190,34 @@ class _Sizes:
 class _BackendModel:
     """What the expected-latency policy knows about one backend (kept in ``backend.stats["latency"]``)."""
 
-    __slots__ = ("inflight", "area", "area_t", "sy", "sx", "ext", "if_max", "slots", "prefixes")
+    __slots__ = ("inflight", "area", "area_t", "w", "sn", "sy", "fit", "ext", "if_max", "slots", "kv", "kv_capacity", "prefixes")
 
     def __init__(self, now: float, prefixes: PrefixMemory):
         self.inflight: dict[int, RequestInfo] = {}  # requests this gateway has on it
         self.area = 0.0  # ∫ (sequences on the backend) dt: the mean batch over any window is Δarea / Δt
         self.area_t = now
-        self.sy = 0.0  # Σλ seconds per output token observed
-        self.sx = 0.0  # Σλ (1 + γ·mean batch) over the same observations: σ = sy / sx
+        # Decayed sums over completions (λ = DECAY): count, mean batch n̄, seconds per output token y.
+        # σ = Σy / Σ(1 + γ·n̄) = sy / (w + γ·sn).
+        self.w = 0.0
+        self.sn = 0.0
+        self.sy = 0.0
+        # Slower sums for the slope of y on n̄ (γ is a property of model and engine): w, Σn, Σn², Σy, Σny.
+        self.fit = [0.0, 0.0, 0.0, 0.0, 0.0]
         self.ext = 0.0  # sequences on the backend that are not ours (other replicas, direct clients), from /metrics
         self.if_max = 0  # most of ours in flight since the last scrape
         self.slots: int | None = None  # the engine's batch slots, learnt when /metrics shows a queue
+        self.kv = 0.0  # KV tokens our in-flight requests will hold (prompt + output each)
+        self.kv_capacity: float | None = None  # the engine's KV cache in tokens, from gpu_cache_usage_perc
         self.prefixes = prefixes
+
+    def batch(self) -> float:
+        """Sequences in the engine's batch: ours and others', at most its slots (the rest wait)."""
+        n = len(self.inflight) + self.ext
+        return n if self.slots is None or n <= self.slots else float(self.slots)
 
     def advance(self, now: float) -> None:
         if now > self.area_t:
-            self.area += (len(self.inflight) + self.ext) * (now - self.area_t)
+            self.area += self.batch() * (now - self.area_t)
             self.area_t = now
 
 
@@ -255,15 +268,17 @@ class ExpectedLatencyBalancer(Balancer):
     SIGMA0 = 0.03  # prior seconds per token of a lone sequence, before any backend has history
     GAMMA0 = 0.01  # prior: each sequence in the batch adds 1% to a step
     RHO0 = 0.005  # prior: prefilling a token costs 0.5% of a decode step
-    DECAY = 0.95
+    DECAY = 0.95  # per completion on the backend: σ follows the last ~20
+    FIT_DECAY = 0.995  # γ follows the last ~200 completions of each backend
+    GAMMA_PRIOR = 50.0  # the prior γ weighs as much as n̄ spread by ±1.6 over 20 completions
+    EXT = 0.0
     MIN_RAMP = 0.1
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.sizes: dict[str, _Sizes] = {}
         self.gamma = self.GAMMA0
-        self._g_num = 0.0
-        self._g_den = 0.0
+        self._backends: list[_BackendModel] = []
         self._rho_num = 0.0
         self._rho_den = 0.0
         self.affinity_picks = 0  # picks where affinity overrode the minimum
@@ -274,6 +289,7 @@ class ExpectedLatencyBalancer(Balancer):
         m = b.stats.get("latency")
         if m is None:
             m = b.stats["latency"] = _BackendModel(self.clock(), PrefixMemory(ttl=self.config.affinity_ttl))
+            self._backends.append(m)
         return m
 
     def _sizes(self, model: str) -> _Sizes:
@@ -290,18 +306,19 @@ class ExpectedLatencyBalancer(Balancer):
     def fleet_sigma(self, backends: Sequence[Backend] | None = None) -> float:
         """The pooled σ of the backends with history (the prior of a backend without)."""
         sy = sx = 0.0
+        g = self.gamma
         for b in backends if backends is not None else ():
             m = b.stats.get("latency")
             if m is not None:
                 sy += m.sy
-                sx += m.sx
+                sx += m.w + g * m.sn
         return sy / sx if sx > 0 else self.SIGMA0
 
     def sigma(self, b: Backend, fleet: float) -> float:
         m = b.stats.get("latency")
         if m is None:
             return fleet
-        return (m.sy + fleet) / (m.sx + 1.0)
+        return (m.sy + fleet) / (m.w + self.gamma * m.sn + 1.0)
 
     def _ramp(self, b: Backend, now: float) -> float:
         w = self.config.slow_start
@@ -318,11 +335,11 @@ class ExpectedLatencyBalancer(Balancer):
         sigma = self.sigma(b, fleet)
         g = self.gamma
         d = req.out_tokens
-        n = len(m.inflight) + m.ext
+        n = m.batch()
         step = sigma * (1.0 + g * n)
         queued = 0.0
         shared = 0.0
-        rems: list[float] = []
+        rems: list[tuple[float, float]] = []  # (output tokens left, KV held) of each of ours
         for j in m.inflight.values():
             if j.first_byte_at:
                 decoded = (now - j.first_byte_at) / step
@@ -338,24 +355,45 @@ class ExpectedLatencyBalancer(Balancer):
             if rem < 1.0:
                 rem = 1.0
             shared += rem if rem < d else d
-            rems.append(rem)
+            rems.append((rem, j.kv_tokens))
+        sizes = self._sizes(req.model)
         if m.ext:
-            sizes = self._sizes(req.model)
-            avg_rem = sizes.out_avg / 2
-            shared += m.ext * min(avg_rem, d)
+            shared += m.ext * min(sizes.out_avg / 2, d)
             queued += m.ext * sizes.prompt(req) * 0.1  # some of the others are in prefill; a rough share
-        prompt = req.prompt_tokens * self._sizes(req.model).token_ratio
+        prompt = sizes.prompt(req)
         uncached = max(0.0, prompt - key_tokens(depth))
         lat = self.rho * sigma * (queued + uncached) + sigma * (1.0 + g) * d + sigma * g * shared
-        if m.slots is not None and len(rems) + 1 > m.slots:
-            k = len(rems) + 1 - m.slots
-            lat += heapq.nsmallest(k, rems)[-1] * sigma * (1.0 + g * m.slots)
+        wait = self._wait_steps(m, rems, prompt + d)
+        if wait:
+            lat += wait * step
+        if self.EXT:
+            lat += self.EXT * sigma * g * shared
+            over = len(rems) + 1 - (m.slots or 10**9)
+            if over > 0:
+                lat += self.EXT * over * d * step / (m.slots or 1)
         lat /= self._ramp(b, now)
         sig = b.stats.get("signals")
         if sig is not None and self.config.kv_penalty and sig.fresh(now):
             k = min(sig.kv_usage, 0.99)
             lat += self.config.kv_penalty * k / (1.0 - k)
         return lat, depth
+
+    @staticmethod
+    def _wait_steps(m: _BackendModel, rems: list[tuple[float, float]], kv_new: float) -> float:
+        """Decode steps until r is admitted: a batch slot and room for its KV must both free up."""
+        wait = 0.0
+        if m.slots is not None and len(rems) + 1 > m.slots:
+            wait = heapq.nsmallest(len(rems) + 1 - m.slots, rems)[-1][0]
+        if m.kv_capacity is not None:
+            need = m.kv + kv_new - m.kv_capacity
+            if need > 0:
+                freed = 0.0
+                for rem, kv in sorted(rems):
+                    freed += kv
+                    if freed >= need:
+                        break
+                wait = max(wait, rem if rems else 0.0)
+        return wait
 
     def explain(self, candidates: Sequence[Backend], req: RequestInfo) -> dict[str, tuple[float, int]]:
         """Each candidate's (expected latency, prefix depth) for ``req``: for tests and debugging."""
@@ -403,7 +441,10 @@ class ExpectedLatencyBalancer(Balancer):
         if picked is not backend:
             depth = m.prefixes.depth(req.prefix_keys, now) if req.prefix_keys else 0
         req.picked = (None, 0)
-        req.uncached = max(0.0, self._sizes(req.model).prompt(req) - key_tokens(depth))
+        prompt = self._sizes(req.model).prompt(req)
+        req.uncached = max(0.0, prompt - key_tokens(depth))
+        req.kv_tokens = prompt + req.out_tokens
+        m.kv += req.kv_tokens
         queued = sum(j.uncached for j in m.inflight.values() if not j.first_byte_at)
         req.prefill_ahead = queued + req.uncached
         req.dispatched_at = now
@@ -426,7 +467,7 @@ class ExpectedLatencyBalancer(Balancer):
         sigma = self.sigma(backend, self.fleet_sigma((backend,)))
         if req.prefill_ahead > 0 and ttft > 0:
             # Seconds of prefill per token per σ: TTFT less one decode step.
-            prefill = max(0.0, ttft - sigma * (1.0 + self.gamma * (len(m.inflight) + m.ext)))
+            prefill = max(0.0, ttft - sigma * (1.0 + self.gamma * m.batch()))
             self._rho_num = self.DECAY * self._rho_num + prefill / sigma
             self._rho_den = self.DECAY * self._rho_den + req.prefill_ahead
 
@@ -437,6 +478,7 @@ class ExpectedLatencyBalancer(Balancer):
         now = self.clock()
         m.advance(now)  # the batch integral still counts this request up to now
         del m.inflight[id(req)]
+        m.kv = max(0.0, m.kv - req.kv_tokens) if m.inflight else 0.0
         backend.in_flight -= 1
         if outcome.ok:
             self._sizes(req.model).learn(req, outcome)
@@ -455,15 +497,38 @@ class ExpectedLatencyBalancer(Balancer):
             return
         y = span / (k - 1)  # seconds per output token
         nbar = max(1.0, (m.area - req.area_at) / (now - (req.first_byte_at or req.dispatched_at)))
-        x = 1.0 + self.gamma * nbar
-        m.sy = self.DECAY * m.sy + y
-        m.sx = self.DECAY * m.sx + x
-        sigma = m.sy / m.sx
-        # γ: fleet-wide least squares through the origin of (y/σ_b - 1) on the mean batch.
-        self._g_num = self.DECAY * self._g_num + nbar * (y / sigma - 1.0)
-        self._g_den = self.DECAY * self._g_den + nbar * nbar
-        if self._g_den > 50.0:
-            self.gamma = min(1.0, max(0.0, self._g_num / self._g_den))
+        lam = self.DECAY
+        m.w = lam * m.w + 1.0
+        m.sn = lam * m.sn + nbar
+        m.sy = lam * m.sy + y
+        f = m.fit
+        lam = self.FIT_DECAY
+        f[0] = lam * f[0] + 1.0
+        f[1] = lam * f[1] + nbar
+        f[2] = lam * f[2] + nbar * nbar
+        f[3] = lam * f[3] + y
+        f[4] = lam * f[4] + nbar * y
+        self._fit_gamma()
+
+    def _fit_gamma(self) -> None:
+        """γ: each backend's least-squares line y = a + c·n̄, pooled as c/a weighted by the spread of
+        its n̄ (a backend always at the same batch says nothing about the slope), plus a prior."""
+        num = self.GAMMA0 * self.GAMMA_PRIOR
+        den = self.GAMMA_PRIOR
+        for m in self._backends:
+            w, sn, snn, sy, sny = m.fit
+            if w < 5.0:
+                continue
+            sxx = snn - sn * sn / w
+            if sxx <= 1e-9:
+                continue
+            c = (sny - sn * sy / w) / sxx
+            a = (sy - c * sn) / w
+            if a <= 0.0:
+                continue
+            num += sxx * min(1.0, max(0.0, c / a))
+            den += sxx
+        self.gamma = num / den
 
     def observe_signals(self, backend: Backend, signals: Signals, changed: bool) -> None:
         m = self._model(backend)
@@ -472,7 +537,18 @@ class ExpectedLatencyBalancer(Balancer):
             seen = signals.running + signals.waiting
             m.ext = max(0.0, seen - m.if_max)
             if signals.waiting > 0 and signals.running > 0:
-                m.slots = int(signals.running)
+                m.slots = max(m.slots or 0, int(signals.running))
+            if signals.kv_usage >= 0.2 and m.kv > 0:
+                # The KV our admitted requests hold over the usage the gauge shows. Admission is in
+                # order, so the newest `waiting` of ours are the ones not admitted. The gauge is up to a
+                # refresh old, hence the smoothing.
+                held = m.kv
+                queued = int(signals.waiting)
+                if queued:
+                    held -= sum(j.kv_tokens for j in itertools.islice(reversed(m.inflight.values()), queued))
+                if held > 0:
+                    cap = held / signals.kv_usage
+                    m.kv_capacity = cap if m.kv_capacity is None else 0.7 * m.kv_capacity + 0.3 * cap
         if not signals.fresh(self.clock()):
             m.ext = 0.0
         m.if_max = len(m.inflight)

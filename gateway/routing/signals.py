@@ -90,14 +90,15 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 
 def update_signals(sig: Signals, values: dict[str, float], now: float) -> bool:
-    """Fold one poll into ``sig``; True when the numbers changed since the previous poll."""
+    """Fold one poll into ``sig``; True when the gauges changed since the previous poll."""
     running = values.get(RUNNING, 0.0)
     waiting = values.get(WAITING, 0.0)
     kv = min(1.0, max(0.0, values.get(KV_USAGE, 0.0)))
     hit = values.get(PREFIX_HIT_RATE, 0.0)
     tokens = values.get(GENERATION_TOKENS, 0.0) + values.get(PROMPT_TOKENS, 0.0)
     first = sig.scraped_at == 0.0
-    changed = first or (running, waiting, kv, hit, tokens) != (sig.running, sig.waiting, sig.kv_usage, sig.prefix_hit_rate, sig.tokens)
+    # Only the gauges: LMDeploy refreshes them every 10 s, while its counters move on every poll.
+    changed = first or (running, waiting, kv, hit) != (sig.running, sig.waiting, sig.kv_usage, sig.prefix_hit_rate)
     if tokens != sig.tokens:
         if not first and sig.tokens_at and tokens >= sig.tokens and now > sig.tokens_at:
             sig.token_rate = (tokens - sig.tokens) / (now - sig.tokens_at)

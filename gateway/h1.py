@@ -1,0 +1,232 @@
+"""A minimal pooled HTTP/1.1 client for the hot path: asyncio protocol + httptools parser.
+
+Why not a general client: the gateway sends one kind of request (a POST with a JSON body to a
+URL it built itself) and relays the answer. A general client spends most of its time on what we
+do not need (URL parsing, header objects, cookies, redirects, auto headers); under load that was
+the largest single cost in the gateway (bench/overhead.py shows all transports side by side).
+
+What it does: keep-alive connections per backend (idle ones expire before the backend's own
+keep-alive timeout), one write per request, the response parsed by httptools (chunked or
+sized), body chunks handed over as they arrive with back-pressure (reading pauses while the
+consumer is behind), and a connection that is given up mid-response is closed, so the backend
+sees its client leave and stops generating.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import ssl
+import sys
+import time
+from typing import AsyncIterator
+
+import httptools
+
+if sys.version_info >= (3, 11):
+    from asyncio import timeout as _timeout
+else:  # pragma: no cover - Python 3.10
+    from ._compat import timeout as _timeout
+
+IDLE_EXPIRY = 4.0  # below uvicorn's (and so lmdeploy's) 5 s keep-alive timeout
+HIGH_WATER = 1 << 20  # bytes buffered for a slow consumer before we stop reading from the backend
+
+
+class ConnectFailed(Exception):
+    """No connection could be made (refused, unreachable): nothing was sent."""
+
+
+class ConnectTimeout(Exception):
+    """The connection was not established within the connect timeout."""
+
+
+class ConnectionLost(Exception):
+    """The connection closed before the response was complete."""
+
+
+class _Conn(asyncio.Protocol):
+    __slots__ = (
+        "transport", "parser", "status", "headers", "chunks", "buffered", "done", "lost",
+        "waiter", "head_waiter", "keep_alive", "idle_since", "_paused", "_header_name",
+    )
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.lost = False
+        self.idle_since = 0.0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.parser = httptools.HttpResponseParser(self)
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.chunks: collections.deque[bytes] = collections.deque()
+        self.buffered = 0
+        self.done = False
+        self.keep_alive = False
+        self.waiter: asyncio.Future[None] | None = None
+        self.head_waiter: asyncio.Future[None] | None = None
+        self._paused = False
+        self._header_name = b""
+
+    # -- asyncio.Protocol ---------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            self._fail()
+            if self.transport is not None:
+                self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self._fail()
+
+    def _fail(self) -> None:
+        self.lost = True
+        for fut in (self.head_waiter, self.waiter):
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+
+    # -- httptools callbacks ------------------------------------------------------------------------
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name.lower(), value))
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        self.keep_alive = self.parser.should_keep_alive()
+        if self.head_waiter is not None and not self.head_waiter.done():
+            self.head_waiter.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        self.chunks.append(body)
+        self.buffered += len(body)
+        if self.buffered > HIGH_WATER and not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        self.done = True
+        self._wake()
+
+    def _wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    # -- used by the client ----------------------------------------------------------------------------
+    def take(self) -> bytes | None:
+        """Buffered body bytes, or None when there are none right now."""
+        if not self.chunks:
+            return None
+        data = self.chunks.popleft() if len(self.chunks) == 1 else b"".join(self.chunks)
+        self.chunks.clear()
+        self.buffered = 0
+        if self._paused and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
+        return data
+
+
+class H1Response:
+    __slots__ = ("status", "headers", "_conn", "_pool", "_closed")
+
+    def __init__(self, conn: _Conn, pool: "H1Pool"):
+        self.status = conn.status
+        self.headers = conn.headers
+        self._conn = conn
+        self._pool = pool
+        self._closed = False
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        conn = self._conn
+        loop = asyncio.get_running_loop()
+        while True:
+            data = conn.take()
+            if data is not None:
+                yield data
+                continue
+            if conn.done:
+                return
+            if conn.lost:
+                raise ConnectionLost()
+            conn.waiter = loop.create_future()
+            try:
+                await conn.waiter
+            finally:
+                conn.waiter = None
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        conn = self._conn
+        if conn.done and not conn.chunks and conn.keep_alive and not conn.lost:
+            self._pool.release(conn)
+        elif conn.transport is not None:
+            conn.transport.close()  # mid-response: the backend must see us leave
+
+
+class H1Pool:
+    """Keep-alive connections to one backend (host, port)."""
+
+    def __init__(self, host: str, port: int, connect_timeout: float, tls: ssl.SSLContext | None = None):
+        self.host = host
+        self.port = port
+        self.tls = tls
+        self.idle: collections.deque[_Conn] = collections.deque()
+        self.connect_timeout = connect_timeout
+
+    async def _connection(self) -> _Conn:
+        now = time.monotonic()
+        while self.idle:
+            conn = self.idle.pop()  # most recently used first: it is the least likely to be closing
+            if not conn.lost and now - conn.idle_since < IDLE_EXPIRY:
+                conn._reset()
+                return conn
+            if conn.transport is not None:
+                conn.transport.close()
+        loop = asyncio.get_running_loop()
+        try:
+            async with _timeout(self.connect_timeout):
+                if self.tls is None:
+                    _, conn = await loop.create_connection(_Conn, self.host, self.port)
+                else:
+                    _, conn = await loop.create_connection(_Conn, self.host, self.port, ssl=self.tls, server_hostname=self.host)
+        except TimeoutError:
+            raise ConnectTimeout() from None
+        except OSError as exc:
+            raise ConnectFailed(str(exc)) from None
+        return conn
+
+    def release(self, conn: _Conn) -> None:
+        conn.idle_since = time.monotonic()
+        self.idle.append(conn)
+
+    async def request(self, head: bytes, body: bytes) -> H1Response:
+        """Send one request; return when the response head has arrived."""
+        conn = await self._connection()
+        loop = asyncio.get_running_loop()
+        conn.head_waiter = loop.create_future()
+        assert conn.transport is not None
+        conn.transport.writelines((head, body))
+        try:
+            await conn.head_waiter
+        except BaseException:
+            conn.transport.close()
+            raise
+        finally:
+            conn.head_waiter = None
+        if conn.status == 0:  # lost before a status line
+            conn.transport.close()
+            raise ConnectionLost()
+        return H1Response(conn, self)
+
+    def close(self) -> None:
+        while self.idle:
+            conn = self.idle.pop()
+            if conn.transport is not None:
+                conn.transport.close()
