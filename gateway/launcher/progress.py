@@ -1,4 +1,8 @@
-"""Start-up progress: one refreshed line on a terminal, periodic log lines otherwise."""
+"""Start-up progress: every instance's state and elapsed time until all have settled.
+
+On a terminal a line every couple of seconds; in a log, a line every half minute. Always whole
+lines: the gateway's own log lines interleave with them, so a redrawn line would be torn.
+"""
 
 from __future__ import annotations
 
@@ -24,28 +28,26 @@ async def report_progress(
     *,
     tty: bool | None = None,
     interval: float = 0.5,
+    tty_every: float = 2.0,
     log_every: float = 30.0,
 ) -> None:
-    """Show progress until every instance has settled (healthy or given up), then one final line."""
+    """Report until every instance has settled (healthy or given up), then once more."""
     stream = sys.stderr if stream is None else stream
     if tty is None:
         tty = bool(getattr(stream, "isatty", lambda: False)())
-    last_log = time.monotonic()
-    try:
-        while True:
-            current = rows()
-            settled = all(state in SETTLED for _, state, _ in current)
+    every = tty_every if tty else log_every
+    last_time, last_states = time.monotonic(), None
+    while True:
+        current = rows()
+        states = [state for _, state, _ in current]
+        settled = all(state in SETTLED for state in states)
+        if states != last_states or settled or time.monotonic() - last_time >= every:
             if tty:
-                stream.write("\r\x1b[K[launcher] " + summary(current) + ("\n" if settled else ""))
+                stream.write(f"[launcher] {summary(current)}\n")
                 stream.flush()
-            elif settled or time.monotonic() - last_log >= log_every:
-                log.info("instances: %s", summary(current))
-                last_log = time.monotonic()
-            if settled:
-                return
-            await asyncio.sleep(interval)
-    except asyncio.CancelledError:
-        if tty:
-            stream.write("\n")
-            stream.flush()
-        raise
+            elif settled or last_states is None or time.monotonic() - last_time >= every:
+                log.info("instances: %s", summary(current))  # state changes are logged on their own
+            last_time, last_states = time.monotonic(), states
+        if settled:
+            return
+        await asyncio.sleep(interval)

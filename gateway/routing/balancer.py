@@ -272,6 +272,7 @@ class ExpectedLatencyBalancer(Balancer):
     FIT_DECAY = 0.995  # γ follows the last ~200 completions of each backend
     GAMMA_PRIOR = 50.0  # the prior γ weighs as much as n̄ spread by ±1.6 over 20 completions
     EXT = 0.0
+    WAIT_W = 1.0
     MIN_RAMP = 0.1
 
     def __init__(self, *args: Any, **kwargs: Any):
@@ -365,7 +366,7 @@ class ExpectedLatencyBalancer(Balancer):
         lat = self.rho * sigma * (queued + uncached) + sigma * (1.0 + g) * d + sigma * g * shared
         wait = self._wait_steps(m, rems, prompt + d)
         if wait:
-            lat += wait * step
+            lat += self.WAIT_W * wait * step
         if self.EXT:
             lat += self.EXT * sigma * g * shared
             over = len(rems) + 1 - (m.slots or 10**9)

@@ -138,6 +138,7 @@ class BackendPool:
             b.ejections += 1
             backoff = self.health.ejection_base * (2 ** min(b.ejections - 1, 6))
             b.ejected_until = time.monotonic() + backoff * random.uniform(0.9, 1.1)
+            b.returned_at = b.ejected_until  # the balancer ramps it up slowly from then on
             b.consecutive_failures = 0
             log.warning("backend %s ejected for %.1fs after repeated failures", b.id, backoff)
             self._changed(b)
