@@ -47,6 +47,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=cfg.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
+    for noisy in ("httpx", "httpcore"):  # one line per health probe otherwise
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
     host = args.host or cfg.server.host
     port = args.port if args.port is not None else cfg.server.port
     gateway = Gateway(cfg)
@@ -65,7 +67,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         proxy_headers=False,
     )
     server = uvicorn.Server(config)
-    server.run()
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its clean shutdown
+        return 130
     return 0 if server.started else 1
 
 

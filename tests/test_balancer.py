@@ -39,6 +39,7 @@ def backends(*ids: str) -> list[Backend]:
 
 def mel(clock: Clock | None = None, seed: int = 0, **cfg) -> ExpectedLatencyBalancer:
     cfg.setdefault("slow_start", 0.0)
+    cfg.setdefault("others_weight", 0.0)  # the request's own latency only, unless a test asks
     b = make_balancer("min_expected_latency", BalancerConfig(**cfg), clock=clock or Clock(), rng=random.Random(seed))
     assert isinstance(b, ExpectedLatencyBalancer)
     return b
@@ -175,6 +176,34 @@ def test_batch_mates_cost_the_steps_they_share_with_the_request(ahead_outs, d, s
     lat, _ = bal.explain([a], req(prompt=1, out=d))["a"]
     rho = bal.rho
     assert lat == pytest.approx(rho * SIGMA0 * 1 + SIGMA0 * (1 + GAMMA0) * d + SIGMA0 * GAMMA0 * shared)
+
+
+@pytest.mark.parametrize("weight", [0.0, 0.5, 1.0])
+def test_others_weight_adds_the_delay_the_request_causes_its_batch_mates(weight):
+    bal = mel(others_weight=weight)
+    (a,) = backends("a")
+    for _ in range(3):
+        r = req(prompt=1, out=40, stream=True)
+        bal.dispatched(a, r)
+        bal.first_byte(a, r, 0.0)
+    lat, _ = bal.explain([a], req(prompt=1, out=100))["a"]
+    own = bal.rho * SIGMA0 + SIGMA0 * (1 + GAMMA0) * 100 + SIGMA0 * GAMMA0 * 120
+    assert lat == pytest.approx(own + weight * SIGMA0 * GAMMA0 * 120)
+
+
+def test_others_weight_counts_the_queue_a_full_batch_builds():
+    bal = mel(others_weight=1.0)
+    (a,) = backends("a")
+    bal._model(a).slots = 2
+    load(bal, a, 3, out=50)  # 2 running, 1 waiting: r would be the second in the queue
+    lat_full, _ = bal.explain([a], req(prompt=1, out=100))["a"]
+    bal0 = mel(others_weight=0.0)
+    (b,) = backends("b")
+    bal0._model(b).slots = 2
+    load(bal0, b, 3, out=50)
+    lat_own, _ = bal0.explain([b], req(prompt=1, out=100))["b"]
+    step = SIGMA0 * (1 + GAMMA0 * 2)
+    assert lat_full - lat_own == pytest.approx(SIGMA0 * GAMMA0 * 150 + 2 * 100 * step / 2)
 
 
 def test_decoded_tokens_of_running_requests_are_no_longer_counted():

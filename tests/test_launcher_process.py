@@ -132,7 +132,7 @@ async def test_instances_join_the_pool_only_once_healthy_and_answer_only_the_int
         assert re.fullmatch(r"[0-9a-f]{64}", lm.backend_key), "never a leading '-' that argparse would take for a flag"
         pids = pids_of(lm)
         assert len(pids) == 6  # a guard and an api_server per instance
-        await until(lambda: out.getvalue().endswith("\n"), 2, "the final progress line")
+        await until(lambda: out.getvalue().splitlines()[-1].count(" healthy ") == 3, 3, "the final progress line")
         text = out.getvalue()
         assert "chat#0 loading" in text and "chat#2 healthy" in text
         ports = [int(b.url.rsplit(":", 1)[1]) for b in backends]

@@ -184,7 +184,7 @@ def _read_overrides(env: Mapping[str, str], problems: Problems) -> dict[str, str
     return out
 
 
-def _origin(sub: Section, key: str, overrides: dict[str, str]) -> str:
+def _origin(key: str, overrides: dict[str, str]) -> str:
     """Where a value came from, for messages: the field, or the environment variable that replaced it."""
     return f"{ENV_OVERRIDES[key]} (environment)" if key in overrides else key
 
@@ -335,8 +335,8 @@ def _read_group(sub: Section, index: int, overrides: dict[str, str]) -> LaunchGr
     # Cross-field rules; each message says why, and what to set instead.
     if explicit_backend and backend == "turbomind" and device != "cuda":
         sub.error(
-            _origin(sub, "backend", overrides),
-            f"turbomind runs only on CUDA GPUs, but {_origin(sub, 'device', overrides)} is {device!r}; use backend: pytorch",
+            _origin("backend", overrides),
+            f"turbomind runs only on CUDA GPUs, but {_origin('device', overrides)} is {device!r}; use backend: pytorch",
         )
     if quant is not None and quant in TURBOMIND_REFUSED_QUANT and backend == "turbomind":
         sub.error(

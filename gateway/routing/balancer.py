@@ -271,8 +271,6 @@ class ExpectedLatencyBalancer(Balancer):
     DECAY = 0.95  # per completion on the backend: σ follows the last ~20
     FIT_DECAY = 0.995  # γ follows the last ~200 completions of each backend
     GAMMA_PRIOR = 50.0  # the prior γ weighs as much as n̄ spread by ±1.6 over 20 completions
-    EXT = 0.0
-    WAIT_W = 1.0
     MIN_RAMP = 0.1
 
     def __init__(self, *args: Any, **kwargs: Any):
@@ -366,12 +364,15 @@ class ExpectedLatencyBalancer(Balancer):
         lat = self.rho * sigma * (queued + uncached) + sigma * (1.0 + g) * d + sigma * g * shared
         wait = self._wait_steps(m, rems, prompt + d)
         if wait:
-            lat += self.WAIT_W * wait * step
-        if self.EXT:
-            lat += self.EXT * sigma * g * shared
-            over = len(rems) + 1 - (m.slots or 10**9)
-            if over > 0:
-                lat += self.EXT * over * d * step / (m.slots or 1)
+            lat += wait * step
+        others = self.config.others_weight
+        if others:
+            # What r costs the requests already there: σγ more per step they share, and, when the
+            # batch is full, its decode time spread over the slots for each one queued behind it.
+            lat += others * sigma * g * shared
+            behind = len(rems) + 1 - m.slots if m.slots is not None else 0
+            if behind > 0:
+                lat += others * behind * d * step / m.slots
         lat /= self._ramp(b, now)
         sig = b.stats.get("signals")
         if sig is not None and self.config.kv_penalty and sig.fresh(now):
@@ -537,8 +538,12 @@ class ExpectedLatencyBalancer(Balancer):
         if changed:
             seen = signals.running + signals.waiting
             m.ext = max(0.0, seen - m.if_max)
-            if signals.waiting > 0 and signals.running > 0:
+            if signals.running > 0 and signals.waiting >= max(2.0, 0.25 * signals.running) and signals.kv_usage < 0.8:
+                # A real queue (not the few that arrived during one step) while the KV cache has
+                # room: every batch slot is taken.
                 m.slots = max(m.slots or 0, int(signals.running))
+            elif m.slots is not None and signals.running > m.slots:
+                m.slots = int(signals.running)
             if signals.kv_usage >= 0.2 and m.kv > 0:
                 # The KV our admitted requests hold over the usage the gauge shows. Admission is in
                 # order, so the newest `waiting` of ours are the ones not admitted. The gauge is up to a
