@@ -19,6 +19,7 @@ from .errors import Refusal
 from .filters import RequestContext
 from .filters.auth import ApiKeyAuth
 from .filters.body import BodyPolicy
+from .filters.limits import RateLimit
 from .filters.media import MediaPolicy
 from .filters.paths import PathPolicy
 from .listener import Listener, Send, send_json
@@ -39,6 +40,7 @@ class Gateway:
         self.balancer = make_balancer(config.balancer.policy)
         self.paths = PathPolicy()
         self.auth = ApiKeyAuth(config.auth)
+        self.limits = RateLimit(config.auth)
         self.body = BodyPolicy(config.limits)
         self.media = MediaPolicy(config.media)
         self.upstream: Upstream | None = None

@@ -2,6 +2,7 @@
 
     request line  -> PathPolicy        (canonical target, exact route match)
     headers       -> ApiKeyAuth        (before any body byte is read)
+                  -> RateLimit         (per key)
                   -> BodyPolicy        (content type, declared length)
     body          -> BodyPolicy.parse  (strict JSON, caps, engine knobs removed)
                   -> model access      (the key's model list)
@@ -62,6 +63,7 @@ class Listener:
         self.gw = gateway
         self.paths = gateway.paths
         self.auth = gateway.auth
+        self.limits = gateway.limits
         self.body = gateway.body
         self.media = gateway.media
         self.router = gateway.router
@@ -142,6 +144,8 @@ class Listener:
         """The chain for one routed request; returns the status the client got (499: it left)."""
         route = ctx.route
         refusal = self.auth.check(ctx)
+        if refusal is None and self.limits.active:
+            refusal = self.limits.check(ctx)
         if refusal is None and not route.forward:
             return await self.gw.answer_local(ctx, send)
         if refusal is None:

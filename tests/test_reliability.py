@@ -153,3 +153,42 @@ def test_access_log_names_keys_by_id_and_never_logs_secrets(keys, caplog):
     text = caplog.text
     assert "key=alice/" in text and '"POST /v1/chat/completions" 200' in text
     assert keys.alice not in text and "sk-wrong-key" not in text and "sk-in-query" not in text and "backend-secret" not in text
+
+
+def test_rate_limited_key_gets_429_with_retry_after(keys):
+    from gateway.filters.auth import hash_key, new_key
+
+    limited = new_key()
+    entries = keys.entries + [{"name": "limited", "hash": hash_key(limited), "rate_limit_rpm": 3}]
+    with Sim(MODEL, api_key="backend-secret") as sim:
+        cfg = gateway_config(keys, [{"url": sim.url, "api_key": "backend-secret"}])
+        cfg["auth"] = {"keys": entries}
+        with GatewayServer(cfg) as gw:
+            with sdk(gw, limited) as c:
+                for _ in range(3):
+                    assert c.chat.completions.create(model=MODEL, messages=MSG, max_tokens=1).choices
+                sim.clear()
+                with pytest.raises(openai.RateLimitError) as exc:
+                    c.chat.completions.create(model=MODEL, messages=MSG, max_tokens=1)
+            assert exc.value.body["code"] == "rate_limit_exceeded"
+            assert 1 <= int(exc.value.response.headers["retry-after"]) <= 20
+            assert sim.requests() == []
+            with sdk(gw, keys.alice) as c:  # other keys are not affected
+                assert c.chat.completions.create(model=MODEL, messages=MSG, max_tokens=1).choices
+
+
+def test_token_bucket_refills_at_the_configured_rate():
+    from gateway.config import ApiKeyConfig, AuthConfig
+    from gateway.filters import RequestContext
+    from gateway.filters.limits import RateLimit
+    from gateway.routes import ROUTES
+
+    now = [0.0]
+    key = ApiKeyConfig(name="k", hash="sha256:" + "0" * 64, rate_limit_rpm=60)
+    limit = RateLimit(AuthConfig(keys=(key,)), clock=lambda: now[0])
+    ctx = RequestContext({}, ROUTES[("POST", "/v1/chat/completions")], {})
+    ctx.key = key
+    assert all(limit.check(ctx) is None for _ in range(60))  # a full bucket: a burst of 60
+    assert limit.check(ctx).status == 429
+    now[0] += 1.0  # one token a second
+    assert limit.check(ctx) is None and limit.check(ctx) is not None
