@@ -191,6 +191,7 @@ def test_gateway_metrics_route_is_the_gateways_own(setup):
     sim.clear()
     status, body = raw_http(gw.port, b"GET /metrics HTTP/1.1", [b"Authorization: Bearer " + keys.alice.encode()])
     assert status == 200 and b"gateway_requests_total" in body and b"lmdeploy:" not in body
+    assert b"gateway_time_to_first_byte_seconds_count{route=\"chat\"}" in body
     assert sim.requests() == []
 
 

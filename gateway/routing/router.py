@@ -54,6 +54,13 @@ class Router:
         self.balancer = balancer
         self.upstream = upstream
         self.retries = retries
+        self._ttfb: dict[str, object] = {}
+
+    def _observe_ttfb(self, kind: str, seconds: float) -> None:
+        child = self._ttfb.get(kind)
+        if child is None:
+            child = self._ttfb[kind] = metrics.TTFB.labels(route=kind)
+        child.observe(seconds)
 
     async def forward(
         self,
@@ -134,7 +141,7 @@ class Router:
                 if response.status == 200 and response.is_event_stream:
                     await self._relay_stream(b, req, ctx, response, send, start, outcome)
                 else:
-                    await self._relay_whole(b, req, response, send, start, outcome, reply)
+                    await self._relay_whole(b, req, ctx.route.kind, response, send, start, outcome, reply)
                 return response.status
             finally:
                 await response.aclose()
@@ -146,6 +153,7 @@ class Router:
         self,
         b: Backend,
         req: RequestInfo,
+        kind: str,
         response: UpstreamResponse,
         send: Send,
         start: float,
@@ -164,6 +172,7 @@ class Router:
             return
         outcome.ttft = time.monotonic() - start
         self.balancer.first_byte(b, req, outcome.ttft)
+        self._observe_ttfb(kind, outcome.ttft)
         if response.status == 200:
             outcome.ok = True
             _read_usage(body, outcome)
@@ -193,6 +202,7 @@ class Router:
                     first = False
                     outcome.ttft = time.monotonic() - start
                     self.balancer.first_byte(b, req, outcome.ttft)
+                    self._observe_ttfb(ctx.route.kind, outcome.ttft)
                 if b'"usage"' in chunk:
                     usage_chunk = chunk
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
