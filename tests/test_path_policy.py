@@ -188,8 +188,10 @@ def test_rewrite_and_override_headers_are_neither_honoured_nor_forwarded(setup):
 
 def test_gateway_metrics_route_is_the_gateways_own(setup):
     gw, sim, keys = setup
+    auth = b"Authorization: Bearer " + keys.alice.encode()
+    assert raw_http(gw.port, b"POST /v1/chat/completions HTTP/1.1", [auth, b"Content-Type: application/json"], BODY)[0] == 200
     sim.clear()
-    status, body = raw_http(gw.port, b"GET /metrics HTTP/1.1", [b"Authorization: Bearer " + keys.alice.encode()])
+    status, body = raw_http(gw.port, b"GET /metrics HTTP/1.1", [auth])
     assert status == 200 and b"gateway_requests_total" in body and b"lmdeploy:" not in body
     assert b"gateway_time_to_first_byte_seconds_count{route=\"chat\"}" in body
     assert sim.requests() == []
