@@ -26,6 +26,7 @@ from .listener import Listener, Send, send_json
 from .routing.balancer import make_balancer
 from .routing.pool import Backend, BackendPool
 from .routing.router import Router
+from .routing.signals import MetricsScraper
 from .upstream import Upstream, make_client, make_upstream
 
 log = logging.getLogger("gateway")
@@ -37,7 +38,8 @@ class Gateway:
     def __init__(self, config: GatewayConfig):
         self.config = config
         self.pool = BackendPool(config.health)
-        self.balancer = make_balancer(config.balancer.policy)
+        self.balancer = make_balancer(config.balancer.policy, config.balancer)
+        self.scraper: MetricsScraper | None = None
         self.paths = PathPolicy()
         self.auth = ApiKeyAuth(config.auth)
         self.limits = RateLimit(config.auth)
@@ -75,6 +77,11 @@ class Gateway:
         self.router.upstream = self.upstream
         self.control_client = make_client(self.config.timeouts)  # health checks and metrics scraping
         self.pool.start(self.control_client)
+        interval = self.config.balancer.scrape_interval
+        if interval > 0 and hasattr(self.balancer, "observe_signals"):
+            # Backend gauges (queue, running, KV use) for the policies that read them.
+            self.scraper = MetricsScraper(lambda: self.pool, self.balancer.observe_signals, interval=interval, client=self.control_client)
+            self.scraper.start()
         if self.config.launch:
             from .launcher import Launcher  # imported lazily: a gateway with only remote backends needs none of it
 
@@ -86,6 +93,8 @@ class Gateway:
     async def shutdown(self) -> None:
         if self.launcher is not None:
             await self.launcher.stop(grace=10.0)
+        if self.scraper is not None:
+            await self.scraper.stop()
         await self.pool.stop()
         if self.upstream is not None:
             await self.upstream.aclose()

@@ -317,6 +317,24 @@ def _full_batch_means_waiting(bal, bs, clock):
     return req()
 
 
+def _kv_cache_full(bal, bs, clock):
+    set_sigma(bal, bs["a"], 0.01)
+    set_sigma(bal, bs["b"], 0.02)
+    set_sigma(bal, bs["c"], 0.04)
+    bal._model(bs["a"]).kv_capacity = 2250.0
+    load(bal, bs["a"], 2, out=1000, prompt=100)  # 2 x 1100 KV tokens held for ~10 s: r's 101 do not fit
+    return req()
+
+
+def _kv_cache_with_room(bal, bs, clock):
+    set_sigma(bal, bs["a"], 0.01)
+    set_sigma(bal, bs["b"], 0.02)
+    set_sigma(bal, bs["c"], 0.04)
+    bal._model(bs["a"]).kv_capacity = 5000.0
+    load(bal, bs["a"], 2, out=1000, prompt=100)
+    return req()
+
+
 def _others_load_from_metrics(bal, bs, clock):
     set_sigma(bal, bs["a"], 0.01)
     set_sigma(bal, bs["b"], 0.015)
@@ -340,6 +358,8 @@ def _others_load_from_metrics(bal, bs, clock):
         (_kv_pressure, "b"),
         (_stale_kv_is_ignored, "a"),
         (_full_batch_means_waiting, "b"),
+        (_kv_cache_full, "b"),
+        (_kv_cache_with_room, "a"),
         (_others_load_from_metrics, "b"),
     ],
     ids=lambda v: v.__name__.strip("_") if callable(v) else None,
@@ -459,6 +479,29 @@ def test_output_length_is_learnt_from_usage():
     assert sizes.output(RequestInfo(model="m", max_tokens=10)) <= 10
 
 
+def test_kv_capacity_is_learnt_from_the_usage_gauge_counting_only_admitted_requests():
+    clock = Clock()
+    bal = mel(clock)
+    (a,) = backends("a")
+    load(bal, a, 4, out=100, prompt=100)  # 4 x 200 KV tokens; the newest one is still queued
+    bal.observe_signals(a, Signals(running=3, waiting=1, kv_usage=0.6, scraped_at=clock.t), changed=True)
+    assert bal._model(a).kv_capacity == pytest.approx(600 / 0.6)
+
+
+def test_a_few_waiting_between_two_steps_do_not_teach_the_batch_size():
+    clock = Clock()
+    bal = mel(clock)
+    (a,) = backends("a")
+    bal.observe_signals(a, Signals(running=8, waiting=1, scraped_at=clock.t), changed=True)
+    assert bal._model(a).slots is None
+    bal.observe_signals(a, Signals(running=8, waiting=6, kv_usage=0.95, scraped_at=clock.t), changed=True)
+    assert bal._model(a).slots is None  # the KV cache is full: that is not the batch size
+    bal.observe_signals(a, Signals(running=8, waiting=6, kv_usage=0.3, scraped_at=clock.t), changed=True)
+    assert bal._model(a).slots == 8
+    bal.observe_signals(a, Signals(running=12, waiting=0, scraped_at=clock.t), changed=True)
+    assert bal._model(a).slots == 12  # never below what it was seen running
+
+
 def test_external_load_is_what_the_gauges_show_beyond_our_own():
     clock = Clock()
     bal = mel(clock)
@@ -468,7 +511,6 @@ def test_external_load_is_what_the_gauges_show_beyond_our_own():
     assert bal._model(a).ext == 0  # fewer than ours: nobody else is there
     bal.observe_signals(a, Signals(running=12, waiting=3, scraped_at=clock.t), changed=True)
     assert bal._model(a).ext == 10
-    assert bal._model(a).slots == 12  # a queue with 12 running: 12 batch slots
     bal.observe_signals(a, Signals(running=12, waiting=3, scraped_at=clock.t - 100), changed=False)
     assert bal._model(a).ext == 0  # stale gauges count for nothing
 

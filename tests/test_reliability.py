@@ -192,3 +192,10 @@ def test_token_bucket_refills_at_the_configured_rate():
     assert limit.check(ctx).status == 429
     now[0] += 1.0  # one token a second
     assert limit.check(ctx) is None and limit.check(ctx) is not None
+
+
+def test_the_app_scrapes_backend_metrics_for_the_balancer(keys):
+    with gateway_with_sims(keys, 1, sim_args=("--metrics-interval", "0"), balancer={"scrape_interval": 0.2}) as (gw, _):
+        b = next(iter(gw.gateway.pool))
+        wait_until(lambda: b.stats.get("signals") is not None, 10, what="scraped signals on the backend")
+        assert gw.gateway.balancer.name == "min_expected_latency"

@@ -16,7 +16,8 @@ MODEL = "test-model"
 
 @pytest.fixture(scope="module", params=["native", "aiohttp", "httpx-aiohttp", "httpx"])
 def setup(request, keys):
-    with gateway_with_sims(keys, 2, upstream={"transport": request.param}) as (gw, sims):
+    # round_robin: every test can count on both backends being picked
+    with gateway_with_sims(keys, 2, upstream={"transport": request.param}, balancer={"policy": "round_robin"}) as (gw, sims):
         yield gw, sims, keys
 
 

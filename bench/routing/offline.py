@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import heapq
 import itertools
-import math
 import random
 import statistics
 import sys

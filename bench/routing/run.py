@@ -11,6 +11,11 @@ one of 16 shared documents, so the prefix-cache hit rate is reported too (from t
 counters). Load is a fraction of the fleet's capacity at full batches with the documents cached.
 Times and token counts are scaled (see ``trace.SimParams``); the first ``--warmup`` share of
 requests is left out of the latency figures, and no run is timed by a test.
+
+Columns: req/s and tok/s are completed requests and output tokens over the whole run (first send
+to last answer, so a long tail lowers them); latency is send to last byte, TTFT send to the first
+token's frame, both in seconds as the client sees them through the gateway; hit % is cached /
+prompt tokens over the sims; share is the requests each backend got.
 """
 
 from __future__ import annotations

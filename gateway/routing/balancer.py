@@ -105,16 +105,9 @@ class Balancer:
 
     def _least(self, candidates: Sequence[Backend], score: Callable[[Backend], float]) -> Backend:
         """The lowest score, ties at random."""
-        best = float("inf")
-        ties: list[Backend] = []
-        for b in candidates:
-            s = score(b)
-            if s < best - 1e-12 * abs(best) if best != float("inf") else s < best:
-                best, ties = s, [b]
-            elif s <= best + 1e-12 * abs(best):
-                ties.append(b)
-        if not ties:  # every score was inf or nan
-            ties = list(candidates)
+        scored = [(score(b), b) for b in candidates]
+        best = min(s for s, _ in scored)
+        ties = [b for s, b in scored if s <= best]
         return ties[0] if len(ties) == 1 else self.rng.choice(ties)
 
 
@@ -229,38 +222,48 @@ class ExpectedLatencyBalancer(Balancer):
         s_b(n) = σ_b · (1 + γ·n)
 
     σ_b is b's own speed (seconds per token of a lone sequence), γ how much each extra sequence
-    slows a step (shared by the fleet: same model, same engine). A new request r with P uncached
-    prompt tokens and d expected output tokens, arriving while b holds sequences j with rem_j
-    output tokens left, decodes d steps; at its step k the batch holds itself and every j with
-    rem_j ≥ k, so its steps sum to d·σ(1+γ) + σγ·Σ_j min(rem_j, d). Hence
+    slows a step (one value for the fleet: same model, same engine). A request r with d expected
+    output tokens, joining sequences j that have rem_j tokens left, decodes d steps; at its step k
+    the batch holds r and every j with rem_j ≥ k, so its steps sum to d·σ(1+γ) + σγ·Σ_j min(rem_j, d).
+    With the prefill in front and the wait for a slot:
 
-        L_b(r) = ( ρ·σ_b·(Q_b + P_b(r))                     prefill of what is queued, then of r
-                 + σ_b·(1+γ)·d + σ_b·γ·Σ_j min(rem_j, d)     r's decode, slowed by its batch mates
-                 + W_b )                                    wait for a batch slot when all are busy
+        L_b(r) = ( ρ·σ_b·(Q_b + P_b(r))                           prefill of the queued prompts, then r's
+                 + σ_b·(1+γ)·d + σ_b·γ·S                          r's decode, S = Σ_j min(rem_j, d)
+                 + s_b(n_b)·W_b                                   waiting for a batch slot or KV room
+                 + ω·( σ_b·γ·S + s_b(n_b)·d·q_b / slots_b ) )      the delay r adds to the others
                  / ramp_b
                + kv_penalty · k_b / (1 - k_b)
 
-    - Q_b: prompt tokens of b's requests still in prefill; P_b(r) = r's prompt tokens minus the
-      prefix b served recently (the prefix cache hits).
-    - rem_j: expected output tokens of j (max_tokens × the observed fill ratio, or the running
-      mean) minus those decoded since j's first byte. Tokens, not requests.
-    - j runs over this gateway's requests on b plus ``ext_b`` others'. ext_b = running + waiting
-      from b's /metrics minus the most we had on b since the previous scrape (never negative): the
-      gauges refresh every 10 s, so until they change our own reservations are what counts.
-    - W_b: when b's batch is full (slots learnt from /metrics), the time until enough j finish.
-    - ramp_b = max(0.1, time since b returned / slow_start): a backend back from ejection or
+    - Q_b: uncached prompt tokens of b's requests still in prefill. P_b(r): r's prompt tokens
+      minus the prefix b served within ``affinity_ttl`` (what its prefix cache will hit).
+    - rem_j: j's expected output (max_tokens × the observed fill ratio, or the running mean) less
+      what it decoded since its first byte. Work is counted in tokens, not requests.
+    - j runs over this gateway's requests on b plus ext_b others': ext_b = running + waiting from
+      b's /metrics less the most we had on b between two polls (never negative). The gauges
+      refresh every 10 s; until they change, our own reservations are what counts.
+    - W_b: decode steps until r is admitted: the (n+1-slots)-th smallest rem_j when the batch is
+      full, or until enough j finish to free KV for r (prompt + output of all ours + r's over the
+      KV capacity). slots_b and the KV capacity are learnt from /metrics; unknown means no limit.
+    - ω = ``others_weight``: with 0, each request is selfish; with 1, the pick minimises the
+      total latency added to the backend (r's own plus the slowdown and queueing it causes).
+      q_b = how many would queue behind a full batch, r included.
+    - ramp_b = max(0.1, time since b returned / ``slow_start``): a backend back from ejection or
       unhealth looks slower than it is, so it fills up gradually instead of taking the queue.
-    - k_b: the scraped KV-cache usage, as in SGLang's formula.
+    - k_b: the scraped KV-cache usage (SGLang's term), ignored when the scrape is stale.
 
-    Learning (EWMA, λ = 0.95 a completion): σ_b = Σ seconds-per-output-token / Σ(1 + γ·n̄) over b's
-    completions (n̄: the mean batch while it decoded, from the ∫batch dt counter), blended with
-    the fleet's pooled σ as one pseudo-observation, so a backend with no history starts at the
-    fleet average (not 0, not ∞). γ: least squares of (s/σ_b - 1) on n̄, fleet-wide. ρ: prefill
-    seconds per prompt token per σ, from streamed TTFTs. Per model: prompt-token correction, the
-    max_tokens fill ratio, mean output length.
+    Learning, from the responses that pass through (usage, stream timing):
+    - σ_b = Σλ y / Σλ (1 + γ·n̄) over b's completions, λ = 0.95 a completion; y = seconds per
+      output token after the first byte, n̄ = the mean batch meanwhile (from a ∫batch dt counter).
+      Blended with the fleet's pooled σ as one pseudo-observation, so a backend with no history
+      starts at the fleet average, neither 0 nor ∞ (LMDeploy's min_observed_latency starves it).
+    - γ: each backend's least-squares line y = a + c·n̄ (λ = 0.995), pooled as c/a weighted by the
+      spread of its n̄, with the prior GAMMA0 as pseudo-data.
+    - ρ: (TTFT − one step) / prefill tokens ahead, over σ, from streamed responses.
+    - per model: the prompt-token correction (usage / our estimate), the max_tokens fill ratio,
+      the mean output without max_tokens.
 
-    Prefix affinity: if the backend that served the longest prefix of the prompt (at least
-    ``affinity_min_tokens``) has L within ``(1 + affinity_bound)`` of the best, it wins; otherwise
+    Prefix affinity: the backend that served the longest prefix of the prompt (at least
+    ``affinity_min_tokens``) wins if its L is within ``(1 + affinity_bound)`` of the best; if not,
     load wins. Ties on L break at random.
     """
 
@@ -277,9 +280,10 @@ class ExpectedLatencyBalancer(Balancer):
         super().__init__(*args, **kwargs)
         self.sizes: dict[str, _Sizes] = {}
         self.gamma = self.GAMMA0
-        self._backends: list[_BackendModel] = []
+        self._backends: dict[str, _BackendModel] = {}  # by backend id, for the fleet-wide γ
         self._rho_num = 0.0
         self._rho_den = 0.0
+        self._fleet = self.SIGMA0  # the candidates' pooled σ at the last pick
         self.affinity_picks = 0  # picks where affinity overrode the minimum
         self.picks = 0
 
@@ -288,7 +292,7 @@ class ExpectedLatencyBalancer(Balancer):
         m = b.stats.get("latency")
         if m is None:
             m = b.stats["latency"] = _BackendModel(self.clock(), PrefixMemory(ttl=self.config.affinity_ttl))
-            self._backends.append(m)
+            self._backends[b.id] = m
         return m
 
     def _sizes(self, model: str) -> _Sizes:
@@ -386,15 +390,15 @@ class ExpectedLatencyBalancer(Balancer):
         wait = 0.0
         if m.slots is not None and len(rems) + 1 > m.slots:
             wait = heapq.nsmallest(len(rems) + 1 - m.slots, rems)[-1][0]
-        if m.kv_capacity is not None:
+        if m.kv_capacity is not None and rems:
             need = m.kv + kv_new - m.kv_capacity
             if need > 0:
                 freed = 0.0
-                for rem, kv in sorted(rems):
+                for rem, kv in sorted(rems):  # the first to finish free their KV first
                     freed += kv
                     if freed >= need:
                         break
-                wait = max(wait, rem if rems else 0.0)
+                wait = max(wait, rem)
         return wait
 
     def explain(self, candidates: Sequence[Backend], req: RequestInfo) -> dict[str, tuple[float, int]]:
@@ -416,7 +420,7 @@ class ExpectedLatencyBalancer(Balancer):
             req.picked = (None, 0)
             return candidates[0]
         now = self.clock()
-        fleet = self.fleet_sigma(candidates)
+        fleet = self._fleet = self.fleet_sigma(candidates)
         scored = [(*self.expected_latency(b, req, now, fleet), b) for b in candidates]
         best_lat = min(s[0] for s in scored)
         tol = 1e-9 * abs(best_lat)
@@ -466,7 +470,7 @@ class ExpectedLatencyBalancer(Balancer):
         m.advance(now)
         req.first_byte_at = now
         req.area_at = m.area
-        sigma = self.sigma(backend, self.fleet_sigma((backend,)))
+        sigma = self.sigma(backend, self._fleet)
         if req.prefill_ahead > 0 and ttft > 0:
             # Seconds of prefill per token per σ: TTFT less one decode step.
             prefill = max(0.0, ttft - sigma * (1.0 + self.gamma * m.batch()))
@@ -493,7 +497,7 @@ class ExpectedLatencyBalancer(Balancer):
         if req.first_byte_at:
             start = req.first_byte_at
         else:
-            start = req.dispatched_at + self.rho * self.sigma(b, self.fleet_sigma((b,))) * req.prefill_ahead
+            start = req.dispatched_at + self.rho * self.sigma(b, self._fleet) * req.prefill_ahead
         span = now - start
         if span <= 0:
             return
@@ -517,7 +521,7 @@ class ExpectedLatencyBalancer(Balancer):
         its n̄ (a backend always at the same batch says nothing about the slope), plus a prior."""
         num = self.GAMMA0 * self.GAMMA_PRIOR
         den = self.GAMMA_PRIOR
-        for m in self._backends:
+        for m in self._backends.values():
             w, sn, snn, sy, sny = m.fit
             if w < 5.0:
                 continue

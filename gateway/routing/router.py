@@ -195,6 +195,7 @@ class Router:
         hdrs += [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
         await send({"type": "http.response.start", "status": 200, "headers": hdrs})
         usage_chunk = b""
+        events = 0
         first = True
         try:
             async for chunk in response.chunks():
@@ -205,6 +206,7 @@ class Router:
                     self._observe_ttfb(ctx.route.kind, outcome.ttft)
                 if b'"usage"' in chunk:
                     usage_chunk = chunk
+                events += chunk.count(b"data:")
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except (UpstreamTimeout, UpstreamFailure) as exc:
             kind = f"{exc.phase}_timeout" if isinstance(exc, UpstreamTimeout) else "stream_broken"
@@ -217,6 +219,10 @@ class Router:
         outcome.ok = True
         if usage_chunk:
             _read_sse_usage(usage_chunk, outcome)
+        if outcome.completion_tokens is None and events:
+            # No usage (an OpenAI stream without stream_options.include_usage): about one token per
+            # event, less the role chunk and [DONE]. An estimate, but better than nothing to learn from.
+            outcome.completion_tokens = max(1, events - 2)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
