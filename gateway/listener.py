@@ -28,7 +28,6 @@ from . import metrics
 from .errors import Refusal
 from .filters import RequestContext
 from .filters.auth import key_id, model_allowed
-from .routes import Route
 from .routing.router import model_not_found
 from .upstream import FORWARD_REQUEST_HEADERS
 

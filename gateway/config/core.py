@@ -9,7 +9,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from .fields import Problems, Section
+from .fields import Section
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 

@@ -19,6 +19,7 @@ import httpx
 import orjson
 
 from ..config import HealthConfig
+from .periodic import Periodic
 
 log = logging.getLogger("gateway.pool")
 
@@ -56,7 +57,7 @@ class BackendPool:
         self.health = health
         self._client = client
         self._backends: dict[str, Backend] = {}
-        self._task: asyncio.Task[None] | None = None
+        self._periodic = Periodic("health-checks", self.check_all, lambda: self.health.interval, log)
         self._listeners: list[Callable[[Backend], None]] = []
         self._models_cache: tuple[int, frozenset[str]] | None = None
         self._version = 0
@@ -188,25 +189,10 @@ class BackendPool:
     async def check_all(self, backends: Iterable[Backend] | None = None) -> None:
         await asyncio.gather(*(self.check(b) for b in (backends or list(self._backends.values()))))
 
-    async def _loop(self) -> None:
-        while True:
-            try:
-                await self.check_all()
-            except Exception:  # pragma: no cover - keep checking whatever happens
-                log.exception("health check round failed")
-            await asyncio.sleep(self.health.interval * random.uniform(0.9, 1.1))
-
     def start(self, client: httpx.AsyncClient | None = None) -> None:
         if client is not None:
             self._client = client
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._loop(), name="health-checks")
+        self._periodic.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await self._periodic.stop()

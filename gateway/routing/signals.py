@@ -13,12 +13,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import random
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable
 
 import httpx
+
+from .periodic import Periodic
 
 if TYPE_CHECKING:
     from .pool import Backend
@@ -132,7 +133,7 @@ class MetricsScraper:
         self.timeout = min(timeout, interval * 4)
         self.clock = clock
         self._client = client
-        self._task: asyncio.Task[None] | None = None
+        self._periodic = Periodic("metrics-scraper", self.scrape_all, lambda: self.interval, log)
         self.failures = 0  # polls that got no usable answer
 
     async def scrape(self, b: Backend) -> bool:
@@ -159,25 +160,10 @@ class MetricsScraper:
     async def scrape_all(self) -> None:
         await asyncio.gather(*(self.scrape(b) for b in self.backends() if b.healthy))
 
-    async def _loop(self) -> None:
-        while True:
-            try:
-                await self.scrape_all()
-            except Exception:  # pragma: no cover - keep polling whatever happens
-                log.exception("metrics round failed")
-            await asyncio.sleep(self.interval * random.uniform(0.9, 1.1))
-
     def start(self, client: httpx.AsyncClient | None = None) -> None:
         if client is not None:
             self._client = client
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._loop(), name="metrics-scraper")
+        self._periodic.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await self._periodic.stop()
