@@ -16,6 +16,7 @@ MEDIA_REFUSALS = Counter("gateway_media_refusals_total", "Media URLs refused by 
 UPSTREAM_ERRORS = Counter("gateway_upstream_errors_total", "Failures talking to a backend, by kind", ["backend", "kind"], registry=REGISTRY)
 RETRIES = Counter("gateway_retries_total", "Requests retried on another backend before any byte reached the client", ["reason"], registry=REGISTRY)
 CLIENT_DISCONNECTS = Counter("gateway_client_disconnects_total", "Requests whose client went away; the upstream request was cancelled", registry=REGISTRY)
+AFFINITY_PICKS = Counter("gateway_affinity_picks_total", "Picks where prefix affinity chose a backend other than the lowest expected latency", registry=REGISTRY)
 IN_FLIGHT = Gauge("gateway_backend_in_flight", "Requests in flight per backend", ["backend"], registry=REGISTRY)
 BACKEND_HEALTHY = Gauge("gateway_backend_healthy", "1 when the backend is in rotation", ["backend"], registry=REGISTRY)
 LATENCY = Histogram(

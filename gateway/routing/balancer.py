@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from ..config.balancer import POLICIES, BalancerConfig
+from ..metrics import AFFINITY_PICKS
 from .pool import Backend
 from .prefix import BOUNDARIES, CHARS_PER_TOKEN, PrefixMemory, key_tokens, prefix_keys, scan_prompt
 from .signals import Signals
@@ -432,6 +433,7 @@ class ExpectedLatencyBalancer(Balancer):
             if aff[1] > choice[1] and key_tokens(aff[1]) >= self.config.affinity_min_tokens and aff[0] <= best_lat * (1.0 + bound):
                 if aff[2] is not choice[2]:
                     self.affinity_picks += 1
+                    AFFINITY_PICKS.inc()
                 choice = aff
         req.picked = (choice[2], choice[1])
         return choice[2]
