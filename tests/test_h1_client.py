@@ -1,0 +1,108 @@
+"""The native HTTP/1.1 client on its own: keep-alive reuse, back-pressure, TLS, a lost connection."""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import subprocess
+import threading
+
+import pytest
+import uvicorn
+
+from gateway.config import TimeoutsConfig
+from gateway.upstream import NativeUpstream, UpstreamFailure
+from support import free_port, wait_until
+
+
+async def app(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    body = b""
+    while True:
+        m = await receive()
+        body += m.get("body", b"")
+        if not m.get("more_body"):
+            break
+    if scope["path"] == "/big":
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        for i in range(200):
+            await send({"type": "http.response.body", "body": b"data: " + b"x" * 16384 + b"\n\n", "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return
+    out = b'{"echo": ' + str(len(body)).encode() + b', "client": "' + f"{scope['client'][1]}".encode() + b'"}'
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": out})
+
+
+@pytest.fixture(scope="module", params=["http", "https"])
+def server(request, tmp_path_factory):
+    port = free_port()
+    kw = {}
+    ctx = None
+    if request.param == "https":
+        d = tmp_path_factory.mktemp("tls")
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                        "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(d / "key.pem"), "-out", str(d / "cert.pem")],
+                       check=True, capture_output=True)
+        kw = {"ssl_keyfile": str(d / "key.pem"), "ssl_certfile": str(d / "cert.pem")}
+        ctx = ssl.create_default_context(cafile=str(d / "cert.pem"))
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off", **kw))
+    t = threading.Thread(target=srv.run, daemon=True)
+    t.start()
+    wait_until(lambda: srv.started, 10, what="tls server")
+    yield f"{request.param}://127.0.0.1:{port}", ctx
+    srv.should_exit = True
+    t.join(10)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_keep_alive_connection_is_reused(server):
+    base, ctx = server
+
+    async def go():
+        up = NativeUpstream(TimeoutsConfig())
+        up._tls = ctx
+        ports = []
+        for _ in range(3):
+            r = await up.open(base + "/v1/chat/completions", b'{"a": 1}', [])
+            body = await up.read_all(r)
+            await r.aclose()
+            ports.append(body.split(b'"client": "')[1].split(b'"')[0])
+        await up.aclose()
+        return r.status, ports
+
+    status, ports = run(go())
+    assert status == 200 and len(set(ports)) == 1  # one connection for all three
+
+
+def test_a_large_stream_arrives_whole_with_a_slow_consumer(server):
+    base, ctx = server
+
+    async def go():
+        up = NativeUpstream(TimeoutsConfig())
+        up._tls = ctx
+        r = await up.open(base + "/big", b"{}", [])
+        total = 0
+        async for chunk in r.chunks():
+            total += len(chunk)
+            await asyncio.sleep(0.001)  # slower than the server: reading pauses, nothing is lost
+        await r.aclose()
+        await up.aclose()
+        return total
+
+    assert run(go()) == 200 * (16384 + 8)
+
+
+def test_connection_refused_is_a_connect_failure():
+    async def go():
+        up = NativeUpstream(TimeoutsConfig())
+        with pytest.raises(UpstreamFailure) as exc:
+            await up.open(f"http://127.0.0.1:{free_port()}/v1/chat/completions", b"{}", [])
+        await up.aclose()
+        return exc.value.kind
+
+    assert run(go()) == "connect_refused"
