@@ -48,6 +48,11 @@ WATCH_AFTER = 0.02  # seconds before a request starts watching for its client to
 _STATUS_CLASS = {1: "1xx", 2: "2xx", 3: "3xx", 4: "4xx", 5: "5xx"}
 
 
+def _printable(text: str, limit: int = 128) -> str:
+    """Client-chosen text for a log line: escaped, so a decoded %0a cannot forge a line."""
+    return text[:limit].encode("unicode_escape").decode("ascii").replace('"', '\\"')
+
+
 def _client(scope: Scope) -> str:
     client = scope.get("client")
     return f"{client[0]}:{client[1]}" if client else "-"
@@ -121,9 +126,9 @@ class Listener:
             key = ctx.key if ctx is not None else None
             # Keys are named by their configured name and a short id of their hash, never by value.
             log.info(
-                '%s "%s %s" %d %.1fms key=%s model=%.64s',
-                _client(scope), scope["method"], scope["path"][:128], status, (time.monotonic() - started) * 1000,
-                f"{key.name}/{key_id(key.hash)}" if key else "-", (ctx.model if ctx is not None else None) or "-",
+                '%s "%s %s" %d %.1fms key=%s model=%s',
+                _client(scope), scope["method"], _printable(scope["path"]), status, (time.monotonic() - started) * 1000,
+                f"{key.name}/{key_id(key.hash)}" if key else "-", _printable((ctx.model if ctx is not None else None) or "-"),
             )
 
     def _context(self, scope: Scope) -> RequestContext | Refusal:

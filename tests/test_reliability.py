@@ -199,3 +199,15 @@ def test_the_app_scrapes_backend_metrics_for_the_balancer(keys):
         b = next(iter(gw.gateway.pool))
         wait_until(lambda: b.stats.get("signals") is not None, 10, what="scraped signals on the backend")
         assert gw.gateway.balancer.name == "min_expected_latency"
+
+
+def test_access_log_escapes_client_text(keys, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="gateway")
+    with gateway_with_sims(keys, 1, server={"access_log": True}) as (gw, _):
+        httpx.post(gw.url + "/v1/chat/completions", headers={"authorization": f"Bearer {keys.alice}"},
+                   json={"model": "x\n2026 FORGED", "messages": []})
+    lines = [r.getMessage() for r in caplog.records if r.name == "gateway.listener"]
+    assert lines and all("\n" not in line for line in lines)
+    assert any("x\\n2026 FORGED" in line for line in lines)
