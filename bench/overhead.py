@@ -10,6 +10,15 @@ Targets, all against the same very fast fake backend (bench/fake_backend.py):
 
 Load comes from wrk (Debian package `wrk`), at concurrency 1 and 32, non-streaming and streaming.
 
+The proxy baseline needs lmdeploy, which needs no GPU to proxy; without CUDA wheels it installs
+like this (a separate, git-ignored venv; the imports pull torch):
+
+    python3 -m venv .venv-lmdeploy
+    .venv-lmdeploy/bin/pip install --no-deps lmdeploy
+    .venv-lmdeploy/bin/pip install torch fastapi fire mmengine-lite numpy "pydantic>2" shortuuid \
+        transformers uvicorn aiohttp requests prometheus_client pillow safetensors sentencepiece \
+        tiktoken einops partial_json_parser openai pybase64 pyzmq cloudpickle protobuf psutil openai_harmony
+
     python bench/overhead.py [--duration 5] [--targets direct,gateway,gateway[httpx-aiohttp],gateway[httpx]]
 """
 
