@@ -14,18 +14,9 @@ import httpx
 import pytest
 import yaml
 
-from support import ROOT, GatewayServer, free_port, gateway_config, wait_until
+from support import ROOT, GatewayServer, alive, free_port, gateway_config, wait_until
 
 LAUNCH = {"model": "sim-model", "model_name": "chat", "engine": "sim", "health_interval": 0.2, "restart_backoff": 0.05}
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] != b"Z"
 
 
 def descendants(root: int) -> set[int]:

@@ -30,6 +30,7 @@ from gateway.launcher import Launcher
 from gateway.launcher import process as launcher_process
 from gateway.launcher.guard import group_members
 from gateway.routing.pool import Backend, BackendPool
+from support import alive
 
 ROOT = Path(__file__).resolve().parent.parent
 FAKE_LMDEPLOY = ROOT / "tests" / "fixtures" / "fake_lmdeploy"
@@ -59,15 +60,6 @@ def launcher(tmp_path: Path, *launch: dict, env: dict | None = None, gpus=(), **
 
 def fake_lmdeploy_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PATH": f"{FAKE_LMDEPLOY}{os.pathsep}{os.environ['PATH']}", "FAKE_LMDEPLOY_PYTHON": sys.executable, **extra}
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] != b"Z"
 
 
 def pids_of(lm: Launcher) -> set[int]:
