@@ -53,6 +53,11 @@ def _printable(text: str, limit: int = 128) -> str:
     return text[:limit].encode("unicode_escape").decode("ascii").replace('"', '\\"')
 
 
+def _has_body(ctx: RequestContext) -> bool:
+    length = ctx.headers.get(b"content-length")
+    return (length is not None and length != b"0") or b"transfer-encoding" in ctx.headers
+
+
 def _client(scope: Scope) -> str:
     client = scope.get("client")
     return f"{client[0]}:{client[1]}" if client else "-"
@@ -155,13 +160,14 @@ class Listener:
         if refusal is None:
             refusal = self.body.check_headers(ctx)
         if refusal is not None:
-            return await self._refuse(send, refusal, route.style)
+            # The body was never read: close the connection rather than drain it for the client.
+            return await self._refuse(send, refusal, route.style, close=_has_body(ctx))
         try:
             raw = await self._read_body(receive)
         except _ClientGone:
             return 499
         if raw is None:
-            return await self._refuse(send, self.body.too_large, route.style)
+            return await self._refuse(send, self.body.too_large, route.style, close=True)
         refusal = self.body.parse(ctx, raw)
         if refusal is None and not model_allowed(ctx.key, ctx.model or ""):
             refusal = model_not_found(ctx.model or "")
@@ -249,10 +255,12 @@ class Listener:
             if watcher:
                 watcher[0].cancel()
 
-    async def _refuse(self, send: Send, refusal: Refusal, style: str) -> int:
+    async def _refuse(self, send: Send, refusal: Refusal, style: str, close: bool = False) -> int:
         metrics.REFUSALS.labels(reason=refusal.reason).inc()
         body = refusal.body(style)
         headers = [_JSON, (b"content-length", str(len(body)).encode()), *refusal.headers]
+        if close:
+            headers.append((b"connection", b"close"))
         await send({"type": "http.response.start", "status": refusal.status, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
         return refusal.status
