@@ -622,3 +622,16 @@ def test_prefix_memory_is_bounded_and_forgets_after_its_ttl():
     mem.add(keys, now=20.0)
     assert len(mem) == 8  # the oldest keys were dropped
     assert mem.depth(keys, now=20.0) == len(keys)
+
+
+def test_only_policies_that_weigh_work_scan_the_prompt():
+    from gateway.routing.balancer import make_balancer
+
+    body = {"model": "m", "messages": [{"role": "system", "content": "s" * 4000}, {"role": "user", "content": "hi"}], "max_tokens": 9}
+    for name in ("least_in_flight", "round_robin", "random"):
+        req = make_balancer(name).describe("m", body)
+        assert req.prompt_tokens == 0 and req.prefix_keys == ()
+    for name in ("min_expected_latency", "least_load"):
+        req = make_balancer(name).describe("m", body)
+        assert req.prompt_tokens > 900 and req.max_tokens == 9
+    assert make_balancer("min_expected_latency").describe("m", body).prefix_keys

@@ -62,11 +62,6 @@ class Outcome:
     cached_tokens: int | None = None
 
 
-def estimate_prompt_tokens(body: dict[str, Any]) -> int:
-    """A cheap token estimate: about four characters a token over the text the client sent."""
-    return scan_prompt(body)[1] // CHARS_PER_TOKEN + 1
-
-
 def request_info(model: str, body: dict[str, Any]) -> RequestInfo:
     mt = body.get("max_tokens", body.get("max_completion_tokens", body.get("max_output_tokens")))
     head, chars = scan_prompt(body)
@@ -88,6 +83,16 @@ class Balancer:
         self.config = config or BalancerConfig()
         self.clock = clock
         self.rng = rng or random.Random()
+
+    # Policies that weigh work need the prompt scanned (token estimate, prefix keys); the others
+    # must not pay for it on every request.
+    reads_prompt = False
+
+    def describe(self, model: str, body: dict[str, Any]) -> RequestInfo:
+        """What the policy needs to know of one request."""
+        if self.reads_prompt:
+            return request_info(model, body)
+        return RequestInfo(model=model, stream=body.get("stream") is True)
 
     def pick(self, candidates: Sequence[Backend], req: RequestInfo) -> Backend:
         raise NotImplementedError
@@ -269,6 +274,7 @@ class ExpectedLatencyBalancer(Balancer):
     """
 
     name = "min_expected_latency"
+    reads_prompt = True
     SIGMA0 = 0.03  # prior seconds per token of a lone sequence, before any backend has history
     GAMMA0 = 0.01  # prior: each sequence in the batch adds 1% to a step
     RHO0 = 0.005  # prior: prefilling a token costs 0.5% of a decode step
@@ -581,6 +587,7 @@ class LeastLoad(Balancer):
     """
 
     name = "least_load"
+    reads_prompt = True
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)

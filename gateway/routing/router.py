@@ -19,7 +19,7 @@ from .. import metrics
 from ..errors import Refusal, sse_error_event
 from ..filters import RequestContext
 from ..upstream import Upstream, UpstreamFailure, UpstreamResponse, UpstreamTimeout
-from .balancer import Balancer, Outcome, RequestInfo, request_info
+from .balancer import Balancer, Outcome, RequestInfo
 from .pool import Backend, BackendPool
 
 log = logging.getLogger("gateway.router")
@@ -72,7 +72,7 @@ class Router:
     ) -> int:
         """Forward one request and relay the response; returns the status sent to the client."""
         model = ctx.model or ""
-        req = request_info(model, ctx.body or {})
+        req = self.balancer.describe(model, ctx.body or {})
         path = ctx.route.upstream_path
         tried: set[str] = set()
         attempts = 1 + self.retries
