@@ -47,9 +47,9 @@ class Gateway:
         self.media = MediaPolicy(config.media)
         self.upstream: Upstream | None = None
         self.control_client: Any = None
-        self.router: Router = None  # type: ignore[assignment]  # built in startup, needs a loop
+        # The upstream client needs a running loop: startup() gives the router its client.
+        self.router = Router(self.pool, self.balancer, None, retries=config.balancer.retries)  # type: ignore[arg-type]
         self.launcher: Any = None
-        self.extra_tasks: list[Any] = []
         for i, b in enumerate(config.backends):
             self.pool.add(
                 Backend(
@@ -65,7 +65,6 @@ class Gateway:
 
     def asgi(self) -> Listener:
         if self._listener is None:
-            self.router = Router(self.pool, self.balancer, None, retries=self.config.balancer.retries)  # type: ignore[arg-type]
             self._listener = Listener(self)
         return self._listener
 
@@ -139,7 +138,3 @@ class Gateway:
 
 
 _now = time.monotonic
-
-
-def build_app(config: GatewayConfig) -> Listener:
-    return Gateway(config).asgi()

@@ -74,6 +74,3 @@ def sse_error_event(message: str, style: str = "openai", kind: str = "server_err
     payload = orjson.dumps({"error": {"message": message, "type": kind, "param": None, "code": "upstream_stream_error"}})
     return b"data: " + payload + b"\n\n"
 
-
-# Refusals used in more than one place.
-NOT_FOUND = Refusal(404, "Not found.", "route_not_found", code="not_found")

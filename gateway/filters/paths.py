@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 
 from ..errors import Refusal
-from ..routes import KNOWN_PATHS, Route, lookup
+from ..routes import KNOWN_PATHS, ROUTES, Route, lookup
 
 _CANONICAL = re.compile(rb"^(?:/[A-Za-z0-9_\-.~]+)+$|^/$")
 _DOT_SEGMENT = re.compile(rb"/\.{1,2}(?:/|$)")
@@ -22,14 +22,8 @@ NOT_FOUND = Refusal(404, "Not found.", "route_not_found", code="not_found")
 
 
 def _method_not_allowed(path: str) -> Refusal:
-    allow = ", ".join(sorted({m for (m, p) in _routes_for(path)}))
+    allow = ", ".join(sorted(m for (m, p) in ROUTES if p == path))
     return Refusal(405, "Method not allowed.", "method_not_allowed", code="method_not_allowed", headers=((b"allow", allow.encode()),))
-
-
-def _routes_for(path: str):
-    from ..routes import ROUTES
-
-    return [k for k in ROUTES if k[1] == path]
 
 
 class PathPolicy:

@@ -171,8 +171,7 @@ class BackendPool:
                     self._changed(b)
         except (httpx.HTTPError, OSError, asyncio.TimeoutError):
             healthy, status = False, "unreachable"
-        if healthy and b.ejected_until > time.monotonic():
-            pass  # an ejected backend returns when its backoff ends, not at the next probe
+        # A healthy probe does not lift an ejection: the backend returns when its backoff ends.
         self.set_health(b, healthy, status)
         return healthy
 
