@@ -87,14 +87,19 @@ def test_a_large_stream_arrives_whole_with_a_slow_consumer(server):
         up._tls = ctx
         r = await up.open(base + "/big", b"{}", [])
         total = 0
+        await asyncio.sleep(0.3)  # the server runs ahead: past the high-water mark reading pauses
+        conn = r._close.__self__._conn
+        paused_at_peak = conn._paused and conn.buffered > (1 << 20)
         async for chunk in r.chunks():
             total += len(chunk)
             await asyncio.sleep(0.001)  # slower than the server: reading pauses, nothing is lost
         await r.aclose()
         await up.aclose()
-        return total
+        return total, paused_at_peak
 
-    assert run(go()) == 200 * (16384 + 8)
+    total, paused = run(go())
+    assert total == 200 * (16384 + 8)
+    assert paused
 
 
 def test_connection_refused_is_a_connect_failure():
