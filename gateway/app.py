@@ -20,6 +20,8 @@ from .listener import Listener
 from .local_routes import LocalRoutes
 from .routing.balancer import make_balancer
 from .routing.pool import Backend, BackendPool
+from .routes import RouteAccess
+from .routing.disagg import PDDispatcher
 from .routing.router import Router
 from .routing.signals import MetricsScraper
 from .upstream import Upstream, make_client, make_upstream
@@ -43,6 +45,10 @@ class Gateway:
         self.control_client: Any = None
         # The upstream client needs a running loop: startup() gives the router its client.
         self.router = Router(self.pool, self.balancer, None, retries=config.balancer.retries)  # type: ignore[arg-type]
+        self.router.access = RouteAccess({name: m.routes for name, m in config.models.items()})
+        self.disagg: PDDispatcher | None = None
+        if any(m.distserve for m in config.models.values()):
+            self.disagg = self.router.disagg = PDDispatcher(self.pool, config.models, retries=config.balancer.retries)
         self.launcher: Any = None
         for i, b in enumerate(config.backends):
             self.pool.add(
@@ -53,6 +59,7 @@ class Gateway:
                     models=frozenset(b.models or ()),
                     static_models=b.models is not None,
                     origin="static",
+                    role=b.role,
                 )
             )
         self._listener: Listener | None = None
@@ -80,8 +87,12 @@ class Gateway:
         up = self.config.upstream
         self.upstream = make_upstream(up.transport, self.config.timeouts, up.max_connections)
         self.router.upstream = self.upstream
+        if self.disagg is not None:
+            self.disagg.upstream = self.upstream
         self.control_client = make_client(self.config.timeouts)  # health checks and metrics scraping
         self.pool.start(self.control_client)
+        if self.disagg is not None:
+            self.disagg.client = self.control_client
         interval = self.config.balancer.scrape_interval
         if interval > 0 and hasattr(self.balancer, "observe_signals"):
             # Backend gauges (queue, running, KV use) for the policies that read them.
@@ -97,6 +108,8 @@ class Gateway:
         log.info("gateway started: %d backend(s) configured, %d healthy", len(self.pool), sum(1 for b in self.pool if b.healthy))
 
     async def shutdown(self) -> None:
+        if self.disagg is not None:
+            self.disagg.closing = True  # instances stopping now are not "lost": no drops, no frees
         if self.launcher is not None:
             await self.launcher.stop(grace=10.0)
         if self.scraper is not None:

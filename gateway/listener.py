@@ -33,6 +33,7 @@ from .filters.paths import PathPolicy
 from .local_routes import LocalRoutes
 from .responses import JSON_CONTENT_TYPE as _JSON
 from .responses import Receive, Scope, Send, refuse, send_json
+from .routes import RouteAccess
 from .routing.router import Router
 from .upstream import FORWARD_REQUEST_HEADERS
 
@@ -177,6 +178,8 @@ class Listener:
         refusal = self.auth.check(ctx)
         if refusal is None and self.limits.active:
             refusal = self.limits.check(ctx)
+        if refusal is None and route.forward and ctx.key is not None:
+            refusal = RouteAccess.key_refusal(route, ctx.key.routes)  # before any body byte: default-deny per key
         if refusal is None and not route.forward:
             return await self.local.answer(ctx, send)
         if refusal is None:

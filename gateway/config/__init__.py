@@ -33,6 +33,7 @@ from .core import (
     read_upstream,
 )
 from .fields import ConfigError, Problems, Section, expand_env
+from .disagg import ModelServing, check_serving, read_models
 from .launch import LaunchGroup, read_launch
 from .media import MediaConfig, read_media
 
@@ -67,6 +68,7 @@ class GatewayConfig:
     upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
     balancer: BalancerConfig = field(default_factory=BalancerConfig)
     media: MediaConfig = field(default_factory=MediaConfig)
+    models: dict[str, ModelServing] = field(default_factory=dict)  # per-model serving mode and extra routes
     source: str = "<memory>"
 
 
@@ -86,6 +88,8 @@ def parse_config(data: Any, *, base_dir: Path | None = None, env: dict[str, str]
     upstream = read_upstream(root.section("upstream"))
     balancer = read_balancer(root.section("balancer"))
     media = read_media(root.section("media"), auth)
+    models = read_models(root.section("models"))
+    check_serving(models, launch, backends, problems)
     root.finish()
     if server is not None and not backends and not launch and not problems:
         problems.add("backends", "no backends: configure `backends` (URLs) or `launch` (instances to start)")
@@ -101,6 +105,7 @@ def parse_config(data: Any, *, base_dir: Path | None = None, env: dict[str, str]
         upstream=upstream,
         balancer=balancer,
         media=media,
+        models=models,
         source=source,
     )
 

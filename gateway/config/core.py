@@ -44,6 +44,7 @@ class ApiKeyConfig:
     media_allowed_domains: tuple[str, ...] | None = None  # None: the gateway's media policy
     rate_limit_rpm: int | None = None
     admin: bool = False  # may read the gateway's /metrics
+    routes: tuple[str, ...] | None = None  # forwarded routes it may use; None: the OpenAI/Anthropic ones
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class BackendConfig:
     api_key: str | None = None
     models: tuple[str, ...] | None = None  # None: discovered from the backend's /v1/models
     name: str | None = None
+    role: str = "hybrid"  # hybrid | prefill | decode (PD disaggregation; see config/disagg.py)
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,13 @@ def _read_key(s: Section, index: int) -> ApiKeyConfig | None:
     media = s.str_list("media_allowed_domains", None)
     rpm = s.int("rate_limit_rpm", None, min=1)
     admin = s.bool("admin", False)
+    routes = s.str_list("routes", None)
+    if routes is not None:
+        from ..routes import KEY_ROUTE_CHOICES
+
+        for i, r in enumerate(routes):
+            if r not in KEY_ROUTE_CHOICES:
+                s.problems.add(f"{s.where('routes')}[{i}]", f"{r!r} is not a forwarded route; choose from: {', '.join(KEY_ROUTE_CHOICES)}")
     s.finish()
     if digest is None:
         return None
@@ -125,6 +134,7 @@ def _read_key(s: Section, index: int) -> ApiKeyConfig | None:
         media_allowed_domains=tuple(media) if media is not None else None,
         rate_limit_rpm=rpm,
         admin=admin,
+        routes=tuple(routes) if routes is not None else None,
     )
 
 
@@ -196,6 +206,7 @@ def read_backends(root: Section) -> tuple[BackendConfig, ...]:
         api_key = sub.str("api_key", None)
         models = sub.str_list("models", None)
         name = sub.str("name", None)
+        role = sub.enum("role", ("hybrid", "prefill", "decode"), "hybrid")
         sub.finish()
         if url is None:
             continue
@@ -206,7 +217,7 @@ def read_backends(root: Section) -> tuple[BackendConfig, ...]:
             sub.error("url", f"{url!r} is listed twice")
             continue
         seen.add(base)
-        out.append(BackendConfig(url=base, api_key=api_key, models=tuple(models) if models else None, name=name))
+        out.append(BackendConfig(url=base, api_key=api_key, models=tuple(models) if models else None, name=name, role=role or "hybrid"))
     return tuple(out)
 
 

@@ -63,6 +63,8 @@ MANAGED_FLAGS = {
     "dtype": "set `dtype` instead",
     "chat-template": "set `chat_template` instead",
     "eager-mode": "set `eager_mode` instead",
+    "role": "set `role` instead (and the model's `serving: distserve`)",
+    "migration-backend": "set `migration_backend` instead",
 }
 
 # Flags in the api_server's "PyTorch engine arguments" group that TurboMind does not have.
@@ -132,6 +134,8 @@ class LaunchGroup:
     eager_mode: bool = False
     extra_args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()  # extra environment for every instance
+    role: str = "hybrid"  # hybrid | prefill | decode: lmdeploy's --role (PD disaggregation)
+    migration_backend: str = "DLSlime"  # lmdeploy's --migration-backend: DLSlime | Mooncake
     executable: str | None = None  # the lmdeploy command; None: `lmdeploy` on PATH, else `python -m lmdeploy`
     sim: tuple[tuple[str, Any], ...] = ()  # simulator options, from SIM_OPTIONS
     start_timeout: float = 900.0  # seconds from spawn to a healthy /health: loading a big model takes minutes
@@ -315,6 +319,8 @@ def _read_group(sub: Section, index: int, overrides: dict[str, str]) -> LaunchGr
     extra = sub.str_list("extra_args", [])
     env = _read_env(sub)
     executable = sub.str("executable", None)
+    role = sub.enum("role", ("hybrid", "prefill", "decode"), "hybrid")
+    migration_backend = sub.enum("migration_backend", ("dlslime", "mooncake"), None)
     sim = _read_sim(sub)
     start_timeout = sub.number("start_timeout", d.start_timeout, min=0, exclusive=True)
     max_restarts = sub.int("max_restarts", d.max_restarts, min=0, max=1000)
@@ -363,6 +369,8 @@ def _read_group(sub: Section, index: int, overrides: dict[str, str]) -> LaunchGr
     if backoff_max is not None and backoff is not None and backoff_max < backoff:
         sub.error("restart_backoff_max", f"{backoff_max:g} is less than restart_backoff ({backoff:g})")
     _check_extra_args(sub, extra, backend)
+    if migration_backend is not None and role == "hybrid":
+        sub.error("migration_backend", "applies only to role: prefill or role: decode")
     if executable is not None and engine == "sim":
         sub.error("executable", "names the lmdeploy command; engine sim runs the built-in simulator")
 
@@ -388,6 +396,8 @@ def _read_group(sub: Section, index: int, overrides: dict[str, str]) -> LaunchGr
         extra_args=tuple(extra),
         env=env,
         executable=executable,
+        role=role or "hybrid",
+        migration_backend={"dlslime": "DLSlime", "mooncake": "Mooncake"}[migration_backend or "dlslime"],
         sim=sim,
         start_timeout=start_timeout,
         max_restarts=max_restarts,

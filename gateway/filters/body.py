@@ -51,6 +51,7 @@ class BodyPolicy:
         self.max_bytes = cfg.max_body_bytes
         self.max_depth = cfg.max_json_depth
         self.drop = tuple(cfg.drop_fields)
+        self.drop_generate = tuple(n for n in self.drop if n != "input_ids")
         self.too_large = Refusal(
             413, f"Request body is larger than the limit of {self.max_bytes} bytes.", "body_too_large", code="request_too_large"
         )
@@ -102,7 +103,8 @@ class BodyPolicy:
             duplicate = _find_duplicate(raw)
             if duplicate is not None:
                 return _bad(f"Duplicate key {duplicate[:64]!r} in the request body.", "duplicate_key")
-        for name in self.drop:
+        # /generate is lmdeploy's token-in route: input_ids is its input there, and only there.
+        for name in self.drop if ctx.route.kind != "generate" else self.drop_generate:
             body.pop(name, None)
         model = body.get("model")
         if not isinstance(model, str) or not model.strip():

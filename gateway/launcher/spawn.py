@@ -161,6 +161,8 @@ def lmdeploy_argv(plan: GroupPlan, port: int, api_key: str) -> list[str]:
         argv += ["--chat-template", g.chat_template]
     if g.eager_mode:
         argv.append("--eager-mode")
+    if g.role != "hybrid":  # lmdeploy's spelling: --role Prefill|Decode --migration-backend DLSlime|Mooncake
+        argv += ["--role", g.role.capitalize(), "--migration-backend", g.migration_backend]
     argv += g.extra_args
     # Last, so no nargs option in extra_args can swallow it. The key is visible in /proc/PID/cmdline
     # to local users: api_server reads it only from argv. It is per gateway start and loopback-only.
@@ -177,6 +179,8 @@ def sim_argv(plan: GroupPlan, port: int, api_key: str) -> list[str]:
         argv += ["--max-batch-size", str(g.max_batch_size)]
     if g.session_len is not None:
         argv += ["--session-len", str(g.session_len)]
+    if g.role != "hybrid":  # the same flags as lmdeploy's api_server
+        argv += ["--role", g.role.capitalize(), "--migration-backend", g.migration_backend]
     for name, value in g.sim:
         argv += [f"--{name.replace('_', '-')}", f"{value:g}" if isinstance(value, float) else str(value)]
     argv += ["--api-keys", api_key]

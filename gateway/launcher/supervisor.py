@@ -404,6 +404,7 @@ class Launcher:
                 models=frozenset({inst.group.served_name}),
                 static_models=True,
                 origin="launched",
+                role=inst.group.role,
             )
             self.pool.add(backend)
         else:

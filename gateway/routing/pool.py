@@ -34,6 +34,7 @@ class Backend:
     models: frozenset[str] = frozenset()
     static_models: bool = False  # models given in config; otherwise read from /v1/models
     origin: str = "static"  # "static" (config URL) or "launched"
+    role: str = "hybrid"  # hybrid | prefill | decode (PD disaggregation: only the PD dispatcher uses the others)
     healthy: bool = False
     health_status: str = "unknown"  # last /health status, or "unreachable"
     draining: bool = False

@@ -19,6 +19,7 @@ from .. import metrics
 from ..errors import Refusal, model_not_found, sse_error_event
 from ..filters import RequestContext
 from ..upstream import Upstream, UpstreamFailure, UpstreamResponse, UpstreamTimeout
+from ..routes import RouteAccess
 from .balancer import Balancer, Outcome, RequestInfo
 from .pool import Backend, BackendPool
 
@@ -45,6 +46,8 @@ class Router:
         self.upstream = upstream
         self.retries = retries
         self._ttfb: dict[str, object] = {}
+        self.access = RouteAccess()  # extra routes (/generate, ...) per model; set from config by the Gateway
+        self.disagg: Any = None  # routing.disagg.PDDispatcher when a model is served with serving: distserve
 
     def _observe_ttfb(self, kind: str, seconds: float) -> None:
         child = self._ttfb.get(kind)
@@ -62,6 +65,12 @@ class Router:
     ) -> int:
         """Forward one request and relay the response; returns the status sent to the client."""
         model = ctx.model or ""
+        refusal = self.access.model_refusal(ctx.route, model)
+        if refusal is not None:
+            await reply(refusal)
+            return refusal.status
+        if self.disagg is not None and self.disagg.serves(model):  # prefill/decode disaggregation: two phases
+            return await self.disagg.forward(ctx, headers, send, reply)
         req = self.balancer.describe(model, ctx.body or {})
         path = ctx.route.upstream_path
         tried: set[str] = set()

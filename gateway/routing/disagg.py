@@ -1,0 +1,546 @@
+"""Two-phase dispatch for models served with prefill/decode disaggregation (lmdeploy's DistServe).
+
+As lmdeploy's proxy does it (``serve/proxy/proxy.py``, ``pytorch/disagg/conn/proxy_conn.py``):
+
+1. **Prefill**: the request goes to a prefill instance with ``max_tokens: 1``, no stream,
+   ``with_cache`` and ``preserve_cache``; its answer carries the session ``id``,
+   ``cache_block_ids`` and ``remote_token_ids``.
+2. **Connect**, once per (prefill, decode) pair and cached: ``GET /distserve/engine_info`` on both,
+   ``POST /distserve/p2p_initialize`` on both, then ``POST /distserve/p2p_connect`` on both with the
+   other side's endpoint info. Concurrent requests for one pair share one attempt.
+3. **Decode**: the client's request plus a ``migration_request`` goes to a decode instance, and
+   its answer (a stream or not) is relayed to the client.
+4. **Free**: if the decode fails, never starts, or the client leaves, the prefill instance's
+   blocks are freed (``POST /distserve/free_cache``). On success the decode engine frees them itself.
+5. **Drop**: when an instance leaves or dies, its connections are dropped
+   (``/distserve/p2p_drop_connect`` on both ends) and sessions still migrating from it are freed.
+
+Only the gateway ever sets ``migration_request``, ``with_cache`` or ``preserve_cache``: the body
+filter removes them from every client body before this module sees it. Retries follow the
+router's rule: only before the client saw a byte, and a failed attempt's prefill blocks are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+import orjson
+from prometheus_client import Counter
+
+from .. import metrics
+from ..config.disagg import MIGRATION_PROTOCOL_VALUE, ModelServing
+from ..errors import Refusal, model_not_found, sse_error_event
+from ..filters import RequestContext
+from ..upstream import UpstreamFailure, UpstreamResponse, UpstreamTimeout
+from .pd_policy import PDPicker
+from .pool import Backend, BackendPool
+
+log = logging.getLogger("gateway.disagg")
+
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+Reply = Callable[[Refusal], Awaitable[None]]
+
+PD_FREES = Counter("gateway_pd_cache_frees_total", "Prefill caches freed by the gateway, by why and outcome", ["why", "outcome"], registry=metrics.REGISTRY)
+PD_CONNECTS = Counter("gateway_pd_connects_total", "Prefill-decode connection set-ups, by outcome", ["outcome"], registry=metrics.REGISTRY)
+
+MAX_CONTROL_BYTES = 64 * 1024  # a /distserve/* answer is a few hundred bytes
+MAX_PREFILL_BYTES = 16 * 1024 * 1024  # the prefill answer: one token plus the block ids
+MAX_BLOCK_IDS = 1 << 20
+SUCCESS = 1  # DistServeConnectionStatus.SUCCESS as lmdeploy dumps it
+SERVED_KINDS = ("chat", "completions")  # what lmdeploy's proxy serves in DistServe mode
+
+NO_INSTANCE = Refusal(503, "No healthy prefill or decode instance is available for this model; try again shortly.", "no_pd_instance", code="service_unavailable")
+UPSTREAM_FAILED = Refusal(502, "The backend could not be reached.", "upstream_unreachable", code="bad_gateway")
+PREFILL_INVALID = Refusal(502, "The prefill instance sent an answer that could not be used.", "prefill_invalid", code="bad_gateway")
+CONNECT_FAILED = Refusal(502, "The prefill and decode instances could not be connected.", "pd_connect_failed", code="bad_gateway")
+N_REFUSED = Refusal(400, "n > 1 is not supported with the DistServe serving strategy.", "n_not_supported", param="n", code="invalid_request")
+PROMPTS_REFUSED = Refusal(400, "Only one prompt per request is supported with the DistServe serving strategy.", "prompts_not_supported", param="prompt", code="invalid_request")
+TIMEOUTS = {
+    "connect": Refusal(504, "Timed out connecting to the backend.", "upstream_connect_timeout", code="gateway_timeout"),
+    "first_byte": Refusal(504, "The backend did not start answering in time.", "upstream_first_byte_timeout", code="gateway_timeout"),
+    "idle": Refusal(504, "The backend stopped answering mid-response.", "upstream_idle_timeout", code="gateway_timeout"),
+}
+
+
+def route_refused(kind: str) -> Refusal:
+    return Refusal(
+        400,
+        f"This model is served with prefill/decode disaggregation, which supports only /v1/chat/completions and /v1/completions (not {kind}).",
+        "route_not_disaggregated",
+        param="model",
+        code="invalid_request",
+    )
+
+
+class PDError(Exception):
+    """A control-plane step failed; the message is for logs only."""
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillResult:
+    session_id: int
+    block_ids: list[int]
+    token_id: int
+
+
+def parse_prefill(body: bytes) -> PrefillResult | None:
+    """The fields lmdeploy's proxy reads from a prefill answer (``id``, ``cache_block_ids``, ``remote_token_ids``), validated."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    try:
+        session_id = int(data.get("id"))  # lmdeploy: int(prefill_info.get('id'))
+    except (TypeError, ValueError):
+        return None
+    blocks = data.get("cache_block_ids") or []
+    tokens = data.get("remote_token_ids") or []
+    if not isinstance(blocks, list) or not isinstance(tokens, list) or len(blocks) > MAX_BLOCK_IDS or len(tokens) > MAX_BLOCK_IDS:
+        return None
+    if not all(type(x) is int and 0 <= x < 1 << 62 for x in blocks) or not all(type(x) is int and 0 <= x < 1 << 62 for x in tokens):
+        return None
+    if not -(1 << 62) < session_id < 1 << 62:
+        return None
+    return PrefillResult(session_id, blocks, tokens[-1] if tokens else 0)
+
+
+def _engine_config(data: Any) -> dict[str, Any]:
+    """lmdeploy's DistServeEngineConfig; /distserve/engine_info returns it as a JSON string inside JSON."""
+    if isinstance(data, str):
+        data = orjson.loads(data)
+    if not isinstance(data, dict):
+        raise PDError("engine_info is not an object")
+    out: dict[str, Any] = {}
+    for name in ("tp_size", "ep_size", "dp_size", "dp_rank", "block_size", "num_cpu_blocks", "num_gpu_blocks"):
+        v = data.get(name)
+        if type(v) is not int or not 0 <= v < 1 << 40:
+            raise PDError(f"engine_info.{name} is missing or not an integer")
+        out[name] = v
+    pp = data.get("pp_size")
+    if pp is not None and (type(pp) is not int or not 0 <= pp < 1 << 20):
+        raise PDError("engine_info.pp_size is not an integer")
+    out["pp_size"] = pp
+    return out
+
+
+def _init_response(data: Any) -> dict[str, Any]:
+    """lmdeploy's DistServeInitResponse, reduced to what p2p_connect needs."""
+    if not isinstance(data, dict) or data.get("status") != SUCCESS:
+        raise PDError("p2p_initialize did not succeed")
+    ep = data.get("engine_endpoint_info")
+    kv = data.get("kvtransfer_endpoint_info")
+    if not isinstance(ep, dict) or not isinstance(ep.get("zmq_address"), str) or not isinstance(kv, list) or len(kv) > 1024:
+        raise PDError("p2p_initialize answer is malformed")
+    for item in kv:
+        if not isinstance(item, dict) or type(item.get("protocol")) is not int or not isinstance(item.get("endpoint_info"), str):
+            raise PDError("p2p_initialize kvtransfer_endpoint_info is malformed")
+    return {"engine_endpoint_info": {"zmq_address": ep["zmq_address"]}, "kvtransfer_endpoint_info": kv}
+
+
+class PDConnections:
+    """The P<->D links, set up once per pair and cached; dropped when either end leaves."""
+
+    def __init__(self, client_of: Callable[[], Any], timeout: float, picker: PDPicker):
+        self._client_of = client_of
+        self.timeout = timeout
+        self.picker = picker
+        self._links: dict[tuple[str, str], asyncio.Future[None]] = {}
+        self._ends: dict[tuple[str, str], tuple[Backend, Backend]] = {}
+        self.engine_info: dict[str, dict[str, Any]] = {}
+        # Sessions migrating over a link: freed on the prefill end if the link is dropped mid-way.
+        self.shelf: dict[tuple[str, str], set[int]] = {}
+        self.setups = 0
+
+    def connected(self, p: Backend, d: Backend) -> bool:
+        f = self._links.get((p.id, d.id))
+        return f is not None and f.done() and not f.cancelled() and f.exception() is None
+
+    async def _call(self, b: Backend, method: str, path: str, body: Any = None) -> Any:
+        client = self._client_of()
+        headers = {"authorization": f"Bearer {b.api_key}"} if b.api_key else {}
+        if body is not None:
+            headers["content-type"] = "application/json"
+        try:
+            r = await client.request(method, b.url + path, content=None if body is None else orjson.dumps(body), headers=headers, timeout=self.timeout)
+        except Exception as exc:  # any transport failure is a failed step
+            raise PDError(f"{path} on {b.id}: {exc.__class__.__name__}") from None
+        if r.status_code != 200:
+            raise PDError(f"{path} on {b.id}: HTTP {r.status_code}")
+        if len(r.content) > MAX_CONTROL_BYTES:
+            raise PDError(f"{path} on {b.id}: answer too large")
+        try:
+            return orjson.loads(r.content) if r.content else None
+        except orjson.JSONDecodeError:
+            raise PDError(f"{path} on {b.id}: answer is not JSON") from None
+
+    async def info(self, b: Backend) -> dict[str, Any]:
+        cfg = self.engine_info.get(b.id)
+        if cfg is None:
+            cfg = _engine_config(await self._call(b, "GET", "/distserve/engine_info"))
+            self.engine_info[b.id] = cfg
+            if b.role == "decode":
+                self.picker.set_capacity(b, cfg["num_gpu_blocks"] * cfg["block_size"])
+        return cfg
+
+    async def ensure(self, p: Backend, d: Backend, serving: ModelServing) -> None:
+        key = (p.id, d.id)
+        f = self._links.get(key)
+        if f is not None and not (f.done() and (f.cancelled() or f.exception() is not None)):
+            await asyncio.shield(f)
+            return
+        f = asyncio.get_running_loop().create_future()
+        self._links[key] = f
+        self._ends[key] = (p, d)
+        try:
+            await self._connect(p, d, serving)
+        except BaseException as exc:
+            self._links.pop(key, None)
+            f.set_exception(exc if isinstance(exc, PDError) else PDError(str(exc)))
+            f.exception()  # mark retrieved: waiters have already seen it or will re-raise
+            PD_CONNECTS.labels(outcome="failed").inc()
+            raise
+        f.set_result(None)
+        self.setups += 1
+        PD_CONNECTS.labels(outcome="ok").inc()
+
+    async def _connect(self, p: Backend, d: Backend, serving: ModelServing) -> None:
+        pcfg, dcfg = await asyncio.gather(self.info(p), self.info(d))
+        if pcfg["tp_size"] != dcfg["tp_size"]:  # lmdeploy: only the same parallel configuration connects
+            raise PDError(f"tp_size differs: {p.id} has {pcfg['tp_size']}, {d.id} has {dcfg['tp_size']}")
+        protocol = MIGRATION_PROTOCOL_VALUE[serving.migration_protocol]
+        rdma = serving.rdma.wire() if serving.migration_protocol == "RDMA" else None
+        nvlink: dict[str, Any] | None = {} if serving.migration_protocol == "NVLINK" else None
+
+        def init(local: Backend, lcfg: dict[str, Any], remote: Backend, rcfg: dict[str, Any]) -> dict[str, Any]:
+            return {
+                "local_engine_id": local.url,
+                "local_engine_config": lcfg,
+                "remote_engine_id": remote.url,
+                "remote_engine_config": rcfg,
+                "protocol": protocol,
+                "rank": None,
+                "tcp_config": None,
+                "rdma_config": rdma,
+                "nvlink_config": nvlink,
+            }
+
+        p_init = _init_response(await self._call(p, "POST", "/distserve/p2p_initialize", init(p, pcfg, d, dcfg)))
+        d_init = _init_response(await self._call(d, "POST", "/distserve/p2p_initialize", init(d, dcfg, p, pcfg)))
+
+        def conn(remote: Backend, remote_init: dict[str, Any]) -> dict[str, Any]:
+            return {
+                "protocol": protocol,
+                "remote_engine_id": remote.url,
+                "remote_engine_endpoint_info": remote_init["engine_endpoint_info"],
+                "remote_kvtransfer_endpoint_info": remote_init["kvtransfer_endpoint_info"],
+            }
+
+        for b, body in ((p, conn(d, d_init)), (d, conn(p, p_init))):
+            r = await self._call(b, "POST", "/distserve/p2p_connect", body)
+            if not isinstance(r, dict) or r.get("status") != SUCCESS:
+                raise PDError(f"p2p_connect on {b.id} did not succeed")
+
+    async def free(self, p: Backend, session_id: int, why: str) -> bool:
+        try:
+            await self._call(p, "POST", "/distserve/free_cache", {"remote_engine_id": p.url, "remote_session_id": session_id})
+        except PDError as exc:
+            log.warning("freeing prefill cache failed (%s): %s", why, exc)
+            PD_FREES.labels(why=why, outcome="failed").inc()
+            return False
+        PD_FREES.labels(why=why, outcome="ok").inc()
+        return True
+
+    async def drop_backend(self, backend_id: str) -> None:
+        """An instance left or died: drop every link it is part of, on both ends; free shelved sessions."""
+        self.engine_info.pop(backend_id, None)
+        for key in [k for k in self._links if backend_id in k]:
+            self._links.pop(key, None)
+            p, d = self._ends.pop(key)
+            for sid in self.shelf.pop(key, set()):
+                await self.free(p, sid, "instance_left")
+            for left, right in ((p, d), (d, p)):
+                if left.id == backend_id and not left.healthy:
+                    continue  # it is gone: nobody to tell
+                try:
+                    await self._call(left, "POST", "/distserve/p2p_drop_connect", {"engine_id": left.url, "remote_engine_id": right.url})
+                except PDError as exc:
+                    log.info("p2p_drop_connect on %s: %s", left.id, exc)
+
+
+class PDDispatcher:
+    def __init__(self, pool: BackendPool, models: dict[str, ModelServing], retries: int = 1, control_timeout: float = 10.0):
+        self.pool = pool
+        self.models = {n: m for n, m in models.items() if m.distserve}
+        self.retries = retries
+        self.upstream: Any = None  # set at start-up, like the router's
+        self.client: Any = None  # the control-plane httpx client, set at start-up
+        self.picker = PDPicker()
+        self.conns = PDConnections(lambda: self.client, control_timeout, self.picker)
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.closing = False
+        pool.on_change(self._backend_changed)
+
+    def serves(self, model: str) -> bool:
+        return model in self.models
+
+    # -- membership ----------------------------------------------------------------------------
+    def _backend_changed(self, b: Backend) -> None:
+        if self.closing or b.role == "hybrid" or (b.healthy and self.pool.get(b.id) is b):
+            return
+        if self.conns.engine_info.get(b.id) is None and not any(b.id in k for k in self.conns._links):
+            return
+        self._background(self.conns.drop_backend(b.id))
+        self.picker.forget(b.id)
+
+    def _background(self, coro: Awaitable[Any]) -> None:
+        try:
+            task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
+        except RuntimeError:  # no loop (a config-time change): nothing is connected yet
+            coro.close()  # type: ignore[union-attr]
+            return
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def wait_idle(self) -> None:
+        """Let background frees and drops finish (shutdown, tests)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    # -- one request ---------------------------------------------------------------------------
+    async def forward(self, ctx: RequestContext, headers: list[tuple[bytes, bytes]], send: Send, reply: Reply) -> int:
+        model = ctx.model or ""
+        serving = self.models[model]
+        kind = ctx.route.kind
+        body = ctx.body or {}
+        refusal = None
+        if kind not in SERVED_KINDS:
+            refusal = route_refused(ctx.route.path)
+        elif body.get("n") not in (None, 1):
+            refusal = N_REFUSED
+        elif kind == "completions" and isinstance(body.get("prompt"), list) and body["prompt"] and not isinstance(body["prompt"][0], int):
+            if len(body["prompt"]) > 1:
+                refusal = PROMPTS_REFUSED
+        if refusal is not None:
+            await reply(refusal)
+            return refusal.status
+        path = ctx.route.upstream_path
+        prefill_body = dict(body)
+        prefill_body["max_tokens"] = 1
+        if kind == "chat":
+            prefill_body["max_completion_tokens"] = 1
+        prefill_body["stream"] = False
+        prefill_body.pop("stream_options", None)
+        prefill_body["with_cache"] = True
+        prefill_body["preserve_cache"] = True
+        prefill_payload = orjson.dumps(prefill_body)
+        prompt = orjson.dumps(body.get("messages") if kind == "chat" else body.get("prompt"))
+        tokens = max(1, len(prompt) // 4)  # a rough count: enough to compare instances
+        out = body.get("max_completion_tokens") or body.get("max_tokens")
+        decode_tokens = tokens + (out if type(out) is int and out > 0 else 512)
+        tried_p: set[str] = set()
+        tried_d: set[str] = set()
+        attempts = 1 + self.retries
+        for attempt in range(attempts):
+            last = attempt == attempts - 1
+            eligible = self.pool.eligible(model)
+            ps = [b for b in eligible if b.role == "prefill"]
+            ds = [b for b in eligible if b.role == "decode"]
+            ps = [b for b in ps if b.id not in tried_p] or ps
+            ds = [b for b in ds if b.id not in tried_d] or ds
+            if not ps or not ds:
+                refusal = NO_INSTANCE if self.pool.knows_model(model) else model_not_found(model)
+                await reply(refusal)
+                return refusal.status
+            p = self.picker.pick_prefill(ps, tokens, prompt)
+            result = await self._prefill(p, path, prefill_payload, headers, tokens, send, reply, last)
+            if result is None:
+                tried_p.add(p.id)
+                metrics.RETRIES.labels(reason="prefill_failed").inc()
+                continue
+            if isinstance(result, int):
+                return result  # the prefill instance's own answer (an error) went to the client
+            d = self.picker.pick_decode(ds, decode_tokens)
+            status = await self._decode_phase(p, d, result, serving, ctx, body, path, headers, send, reply, last, decode_tokens)
+            if status is not None:
+                return status
+            tried_d.add(d.id)
+            metrics.RETRIES.labels(reason="decode_failed").inc()
+        raise AssertionError("unreachable: the last attempt always answers")
+
+    async def _prefill(
+        self, p: Backend, path: str, payload: bytes, headers: list[tuple[bytes, bytes]], tokens: int, send: Send, reply: Reply, last: bool
+    ) -> PrefillResult | int | None:
+        """The prefill phase: its result, the status already sent to the client, or None to retry."""
+        start = time.monotonic()
+        self.picker.prefill_started(p, tokens)
+        p.in_flight += 1
+        seconds = None
+        try:
+            try:
+                response = await self.upstream.open(p.url + path, payload, headers + p.auth_headers())
+                try:
+                    data = await self.upstream.read_all(response)
+                finally:
+                    await response.aclose()
+            except UpstreamTimeout as exc:
+                self.pool.report_failure(p)
+                await reply(TIMEOUTS[exc.phase])
+                return TIMEOUTS[exc.phase].status
+            except UpstreamFailure as exc:
+                metrics.UPSTREAM_ERRORS.labels(backend=p.id, kind=exc.kind).inc()
+                if exc.kind == "connect_refused":
+                    self.pool.report_unreachable(p)
+                else:
+                    self.pool.report_failure(p)
+                if last:
+                    await reply(UPSTREAM_FAILED)
+                    return UPSTREAM_FAILED.status
+                return None
+            if response.status >= 500:
+                self.pool.report_failure(p)
+                if response.status in (502, 503) and not last:
+                    return None
+            if response.status != 200:
+                await _send_whole(send, response, data)  # the backend's own refusal (a too-long prompt, ...)
+                return response.status
+            self.pool.report_success(p)
+            seconds = time.monotonic() - start
+            result = parse_prefill(data) if len(data) <= MAX_PREFILL_BYTES else None
+            if result is None:
+                log.warning("prefill answer from %s is not usable", p.id)
+                await reply(PREFILL_INVALID)
+                return PREFILL_INVALID.status
+            return result
+        finally:
+            p.in_flight -= 1
+            self.picker.prefill_done(p, tokens, seconds)
+
+    async def _decode_phase(
+        self,
+        p: Backend,
+        d: Backend,
+        pre: PrefillResult,
+        serving: ModelServing,
+        ctx: RequestContext,
+        body: dict[str, Any],
+        path: str,
+        headers: list[tuple[bytes, bytes]],
+        send: Send,
+        reply: Reply,
+        last: bool,
+        tokens: int,
+    ) -> int | None:
+        """Connect, decode, relay. Frees the prefill blocks unless the decode finished. None: retry."""
+        done = False
+        key = (p.id, d.id)
+        shelved = False
+        try:
+            try:
+                await self.conns.ensure(p, d, serving)
+            except PDError as exc:
+                log.warning("P-D connection %s -> %s failed: %s", p.id, d.id, exc)
+                if last:
+                    await reply(CONNECT_FAILED)
+                    return CONNECT_FAILED.status
+                return None
+            decode_body = dict(body)
+            decode_body["migration_request"] = {
+                "protocol": MIGRATION_PROTOCOL_VALUE[serving.migration_protocol],
+                "remote_engine_id": p.url,
+                "remote_session_id": pre.session_id,
+                "remote_token_id": pre.token_id,
+                "remote_block_ids": pre.block_ids,
+                "is_dummy_prefill": False,
+            }
+            self.conns.shelf.setdefault(key, set()).add(pre.session_id)
+            shelved = True
+            status, done = await self._decode(d, ctx, orjson.dumps(decode_body), path, headers, send, reply, last, tokens)
+            return status
+        finally:
+            if shelved:
+                self.conns.shelf.get(key, set()).discard(pre.session_id)
+            if not done:
+                # Decode failed, never started, or the client left (this also runs on cancellation).
+                self._background(self.conns.free(p, pre.session_id, "decode_not_done"))
+
+    async def _decode(
+        self, d: Backend, ctx: RequestContext, payload: bytes, path: str, headers: list[tuple[bytes, bytes]],
+        send: Send, reply: Reply, last: bool, tokens: int,
+    ) -> tuple[int | None, bool]:
+        self.picker.decode_started(d, tokens)
+        d.in_flight += 1
+        try:
+            try:
+                response = await self.upstream.open(d.url + path, payload, headers + d.auth_headers())
+            except UpstreamTimeout as exc:
+                self.pool.report_failure(d)
+                await reply(TIMEOUTS[exc.phase])
+                return TIMEOUTS[exc.phase].status, False
+            except UpstreamFailure as exc:
+                metrics.UPSTREAM_ERRORS.labels(backend=d.id, kind=exc.kind).inc()
+                if exc.kind == "connect_refused":
+                    self.pool.report_unreachable(d)
+                else:
+                    self.pool.report_failure(d)
+                if last:
+                    await reply(UPSTREAM_FAILED)
+                    return UPSTREAM_FAILED.status, False
+                return None, False
+            try:
+                if response.status >= 500:
+                    self.pool.report_failure(d)
+                    if response.status in (502, 503) and not last:
+                        return None, False
+                else:
+                    self.pool.report_success(d)
+                if response.status == 200 and response.is_event_stream:
+                    return 200, await self._relay_stream(d, ctx, response, send)
+                try:
+                    data = await self.upstream.read_all(response)
+                except UpstreamTimeout as exc:
+                    self.pool.report_failure(d)
+                    await reply(TIMEOUTS[exc.phase])
+                    return TIMEOUTS[exc.phase].status, False
+                except UpstreamFailure:
+                    self.pool.report_failure(d)
+                    if last:
+                        await reply(UPSTREAM_FAILED)
+                        return UPSTREAM_FAILED.status, False
+                    return None, False
+                await _send_whole(send, response, data)
+                return response.status, response.status == 200
+            finally:
+                await response.aclose()
+        finally:
+            d.in_flight -= 1
+            self.picker.decode_done(d, tokens)
+
+    async def _relay_stream(self, d: Backend, ctx: RequestContext, response: UpstreamResponse, send: Send) -> bool:
+        hdrs = list(response.headers) + [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+        await send({"type": "http.response.start", "status": 200, "headers": hdrs})
+        try:
+            async for chunk in response.chunks():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except (UpstreamTimeout, UpstreamFailure) as exc:
+            kind = f"{exc.phase}_timeout" if isinstance(exc, UpstreamTimeout) else "stream_broken"
+            metrics.UPSTREAM_ERRORS.labels(backend=d.id, kind=kind).inc()
+            self.pool.report_failure(d)
+            log.warning("decode stream from %s broke mid-way (%s)", d.id, kind)
+            event = sse_error_event("The backend stopped answering before the response was complete.", ctx.style)
+            await send({"type": "http.response.body", "body": event, "more_body": False})
+            return False
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return True
+
+
+async def _send_whole(send: Send, response: UpstreamResponse, data: bytes) -> None:
+    hdrs = [h for h in response.headers if h[0] != b"content-length"]
+    hdrs.append((b"content-length", str(len(data)).encode()))
+    await send({"type": "http.response.start", "status": response.status, "headers": hdrs})
+    await send({"type": "http.response.body", "body": data, "more_body": False})
