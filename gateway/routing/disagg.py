@@ -56,6 +56,7 @@ SERVED_KINDS = ("chat", "completions")  # what lmdeploy's proxy serves in DistSe
 NO_INSTANCE = Refusal(503, "No healthy prefill or decode instance is available for this model; try again shortly.", "no_pd_instance", code="service_unavailable")
 UPSTREAM_FAILED = Refusal(502, "The backend could not be reached.", "upstream_unreachable", code="bad_gateway")
 PREFILL_INVALID = Refusal(502, "The prefill instance sent an answer that could not be used.", "prefill_invalid", code="bad_gateway")
+DECODE_FAILED = Refusal(502, "The decode instance could not take over the request.", "decode_failed", code="bad_gateway")
 CONNECT_FAILED = Refusal(502, "The prefill and decode instances could not be connected.", "pd_connect_failed", code="bad_gateway")
 N_REFUSED = Refusal(400, "n > 1 is not supported with the DistServe serving strategy.", "n_not_supported", param="n", code="invalid_request")
 PROMPTS_REFUSED = Refusal(400, "Only one prompt per request is supported with the DistServe serving strategy.", "prompts_not_supported", param="prompt", code="invalid_request")
@@ -494,9 +495,13 @@ class PDDispatcher:
                 return None, False
             try:
                 if response.status >= 500:
+                    # lmdeploy fails a migration (an unreachable prefill engine, a dropped link) with a 5xx:
+                    # before any byte the whole request is retried, else answered with our own error.
                     self.pool.report_failure(d)
-                    if response.status in (502, 503) and not last:
+                    if not last:
                         return None, False
+                    await reply(DECODE_FAILED)
+                    return DECODE_FAILED.status, False
                 else:
                     self.pool.report_success(d)
                 if response.status == 200 and response.is_event_stream:

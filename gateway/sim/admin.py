@@ -158,32 +158,6 @@ async def abort_request(request: Request) -> Response:
     return Response(status_code=200)
 
 
-async def distserve_engine_info(request: Request) -> Response:
-    sim = sim_of(request)
-    return json_response(
-        {
-            "engine_id": f"sim-{os.getpid()}",
-            "role": "Hybrid",
-            "model": sim.models[0],
-            "max_batch_size": sim.config.max_batch_size,
-            "kv_capacity_tokens": sim.config.kv_capacity_tokens,
-            "block_size": sim.config.block_tokens,
-        }
-    )
-
-
-async def distserve_action(request: Request) -> Response:
-    """/distserve/p2p_initialize, /p2p_connect, /p2p_drop_connect: accepted and acknowledged."""
-    await read_json(request)
-    return json_response({"success": True})
-
-
-async def distserve_free_cache(request: Request) -> Response:
-    await read_json(request)
-    sim_of(request).engine.reset_cache()
-    return json_response({"success": True})
-
-
 # -- docs ---------------------------------------------------------------------------------------
 
 

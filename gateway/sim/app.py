@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from . import admin, control, inference
+from . import admin, control, distserve, inference
 from .config import SimConfig
 from .errors import ApiError, api_error_response, json_response, style_of
 from .front import FrontDoor
@@ -53,11 +53,11 @@ def route_table(config: SimConfig) -> list[tuple[str, str, Endpoint]]:
         ("POST", "/update_weights_from_distributed", admin.weights_group),
         ("POST", "/destroy_weights_update_group", admin.weights_group),
         ("POST", "/abort_request", admin.abort_request),
-        ("GET", "/distserve/engine_info", admin.distserve_engine_info),
-        ("POST", "/distserve/p2p_initialize", admin.distserve_action),
-        ("POST", "/distserve/p2p_connect", admin.distserve_action),
-        ("POST", "/distserve/p2p_drop_connect", admin.distserve_action),
-        ("POST", "/distserve/free_cache", admin.distserve_free_cache),
+        ("GET", "/distserve/engine_info", distserve.engine_info),
+        ("POST", "/distserve/p2p_initialize", distserve.p2p_initialize),
+        ("POST", "/distserve/p2p_connect", distserve.p2p_connect),
+        ("POST", "/distserve/p2p_drop_connect", distserve.p2p_drop_connect),
+        ("POST", "/distserve/free_cache", distserve.free_cache),
     ]
     if not config.disable_metrics:
         table.append(("GET", "/metrics", admin.metrics))
@@ -68,6 +68,9 @@ def route_table(config: SimConfig) -> list[tuple[str, str, Endpoint]]:
         ("DELETE", "/_sim/requests", control.clear_requests),
         ("GET", "/_sim/stats", control.stats),
         ("POST", "/_sim/control", control.control),
+        ("GET", "/_sim/distserve", distserve.control),
+        ("POST", "/_sim/distserve", distserve.control),
+        ("POST", "/_sim/migrate", distserve.migrate_out),
     ]
     return table
 

@@ -42,6 +42,10 @@ class SimConfig:
     record_limit: int
     graceful_timeout: float
     log_level: str
+    # PD disaggregation (lmdeploy's --role / --migration-backend spellings)
+    role: str = "Hybrid"
+    migration_backend: str = "DLSlime"
+    cache_hold_seconds: float = 60.0
 
     @property
     def model(self) -> str:
@@ -89,6 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="context window: longer prompts get 400 context_length_exceeded, outputs are capped to fit")
     e.add_argument("--default-output-tokens", type=int, default=16, help="output length when the request sets no maximum")
 
+    d = p.add_argument_group("PD disaggregation (lmdeploy's flags)")
+    d.add_argument("--role", default="Hybrid", choices=("Hybrid", "Prefill", "Decode"),
+                   help="Prefill: answers with_cache requests with cache_block_ids and holds the blocks; Decode: takes migration_request")
+    d.add_argument("--migration-backend", default="DLSlime", choices=("DLSlime", "Mooncake"))
+    d.add_argument("--cache-hold-seconds", type=float, default=60.0,
+                   help="a prefill instance frees preserved blocks nobody migrated or freed after this long")
+
     o = p.add_argument_group("observability")
     o.add_argument("--metrics-interval", type=float, default=10.0,
                    help="seconds between refreshes of the /metrics gauges (lmdeploy: 10); 0 refreshes on every scrape")
@@ -131,6 +142,9 @@ def parse_args(argv: list[str] | None = None) -> SimConfig:
         record_limit=ns.record_limit,
         graceful_timeout=ns.graceful_timeout,
         log_level=ns.log_level,
+        role=ns.role,
+        migration_backend=ns.migration_backend,
+        cache_hold_seconds=ns.cache_hold_seconds,
     )
 
 
@@ -154,5 +168,7 @@ def _check(ns: argparse.Namespace) -> list[str]:
     need(ns.kv_capacity_tokens >= ns.block_tokens, "--kv-capacity-tokens", ns.kv_capacity_tokens, ">= --block-size")
     need(ns.session_len >= 2, "--session-len", ns.session_len, ">= 2")
     need(ns.default_output_tokens >= 1, "--default-output-tokens", ns.default_output_tokens, ">= 1")
+    need(ns.cache_hold_seconds > 0, "--cache-hold-seconds", ns.cache_hold_seconds, "> 0")
+    need(ns.role == "Hybrid" or ns.backend == "pytorch", "--role", ns.role, "Hybrid with --backend turbomind (PD needs pytorch)")
     need(ns.record_limit >= 0, "--record-limit", ns.record_limit, ">= 0")
     return errors

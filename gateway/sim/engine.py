@@ -86,7 +86,7 @@ class Sequence:
 
     __slots__ = (
         "id", "prompt", "max_new_tokens", "session_id", "state", "generated", "cached_tokens",
-        "finish_reason", "submitted_at", "first_token_at", "finished_at", "_waiters", "_timer",
+        "finish_reason", "submitted_at", "first_token_at", "finished_at", "_waiters", "_timer", "migrated",
     )
 
     def __init__(self, seq_id: int, prompt: Prompt, max_new_tokens: int, session_id: int | None, now: float) -> None:
@@ -103,6 +103,7 @@ class Sequence:
         self.finished_at: float | None = None
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
         self._timer: asyncio.TimerHandle | None = None
+        self.migrated = False  # its KV came from a prefill instance: no prefill here
 
     @property
     def finished(self) -> bool:
@@ -177,10 +178,11 @@ class Engine:
     def kv_usage(self) -> float:
         return self.kv_reserved / self.limits.kv_capacity_tokens
 
-    def submit(self, prompt: Prompt, max_new_tokens: int, session_id: int | None = None) -> Sequence:
+    def submit(self, prompt: Prompt, max_new_tokens: int, session_id: int | None = None, migrated: bool = False) -> Sequence:
         loop = self._loop or asyncio.get_running_loop()
         self._loop = loop
         seq = Sequence(next(self._ids), prompt, max(1, max_new_tokens), session_id, loop.time())
+        seq.migrated = migrated
         self.stats.submitted += 1
         timing = self.timing
         if timing.instant:
@@ -228,7 +230,7 @@ class Engine:
 
     def _run_instantly(self, seq: Sequence) -> None:
         blocks = self.limits.block_tokens
-        seq.cached_tokens = min(self.cache.match(seq.prompt.blocks) * blocks, seq.prompt.tokens - 1)
+        seq.cached_tokens = self._cached(seq)
         self._account_admission(seq)
         self.cache.insert(seq.prompt.blocks, self._cache_room())
         seq.generated = seq.max_new_tokens
@@ -271,7 +273,7 @@ class Engine:
                 break
             self.waiting.popleft()
             seq.state = RUNNING
-            seq.cached_tokens = min(self.cache.match(seq.prompt.blocks) * limits.block_tokens, seq.prompt.tokens - 1)
+            seq.cached_tokens = self._cached(seq)
             self.kv_reserved += seq.kv_tokens
             self.running.append(seq)
             admitted.append(seq)
@@ -302,8 +304,20 @@ class Engine:
                 self.stats.completed += 1
                 self._finish(seq, "length")
 
+    def _cached(self, seq: Sequence) -> int:
+        if seq.migrated:  # the prompt's KV arrived by migration: nothing to prefill
+            return seq.prompt.tokens
+        return min(self.cache.match(seq.prompt.blocks) * self.limits.block_tokens, seq.prompt.tokens - 1)
+
+    def hold(self, tokens: int) -> None:
+        """KV kept for a prefill session until it is migrated or freed (``preserve_cache``)."""
+        self.kv_reserved += tokens
+
+    def release(self, tokens: int) -> None:
+        self.kv_reserved = max(0, self.kv_reserved - tokens)
+
     def _cache_room(self) -> int:
-        return (self.limits.kv_capacity_tokens - self.kv_reserved) // self.limits.block_tokens
+        return max(0, self.limits.kv_capacity_tokens - self.kv_reserved) // self.limits.block_tokens
 
     def _account_admission(self, seq: Sequence) -> None:
         self.stats.prompt_tokens += seq.prompt.tokens

@@ -16,6 +16,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
+from . import distserve
 from .connection import wait_disconnect
 from .errors import ApiError, json_response
 from .protocol import (
@@ -37,6 +38,7 @@ from .tokens import (
     Prompt,
     completion_prompts,
     encode,
+    output_ids,
     render_anthropic,
     render_chat,
     render_responses,
@@ -120,9 +122,11 @@ def session_id_of(sim: SimState, body: dict[str, Any]) -> int | None:
     return session_id
 
 
-def submit(sim: SimState, model: str, prompts: list[Prompt], n: int, budget: int, limited: bool, session_id: int | None = None) -> Job:
+def submit(
+    sim: SimState, model: str, prompts: list[Prompt], n: int, budget: int, limited: bool, session_id: int | None = None, migrated: bool = False
+) -> Job:
     engine = sim.engine
-    seqs = [engine.submit(p, budget, session_id) for p in prompts for _ in range(n)]
+    seqs = [engine.submit(p, budget, session_id, migrated) for p in prompts for _ in range(n)]
     return Job(model=model, seqs=seqs, n=n, limited=limited)
 
 
@@ -191,9 +195,10 @@ async def chat_completions(request: Request) -> Response:
     if n > MAX_N:
         raise ApiError(400, f"`n` must be at most {MAX_N}.", param="n")
     budget, limited = output_budget(sim, body, ("max_completion_tokens", "max_tokens"), prompt)
-    job = submit(sim, model, [prompt], n, budget, limited, session_id_of(sim, body))
+    migrated, whole = await _disaggregation(sim, body, prompt, chat_body)
+    job = submit(sim, model, [prompt], n, budget, limited, session_id_of(sim, body), migrated)
     include_usage = _include_usage(body)
-    return await answer(sim, request, job, body, lambda j: chat_frames(j, include_usage), chat_body)
+    return await answer(sim, request, job, body, lambda j: chat_frames(j, include_usage), whole)
 
 
 async def completions(request: Request) -> Response:
@@ -205,9 +210,33 @@ async def completions(request: Request) -> Response:
     if n * len(prompts) > MAX_N:
         raise ApiError(400, f"`n` times the number of prompts must be at most {MAX_N}.", param="n")
     budget, limited = output_budget(sim, body, ("max_tokens",), max(prompts, key=lambda p: p.tokens))
-    job = submit(sim, model, prompts, n, budget, limited, session_id_of(sim, body))
+    migrated, whole = await _disaggregation(sim, body, prompts[0], completion_body)
+    job = submit(sim, model, prompts, n, budget, limited, session_id_of(sim, body), migrated)
     include_usage = _include_usage(body)
-    return await answer(sim, request, job, body, lambda j: completion_frames(j, include_usage), completion_body)
+    return await answer(sim, request, job, body, lambda j: completion_frames(j, include_usage), whole)
+
+
+async def _disaggregation(
+    sim: SimState, body: dict[str, Any], prompt: Prompt, whole: Callable[[Job], dict[str, Any]]
+) -> tuple[bool, Callable[[Job], dict[str, Any]]]:
+    """lmdeploy's engine knobs for PD: ``migration_request`` (decode: pull the KV, skip prefill) and
+    ``with_cache``/``preserve_cache`` (prefill: answer with the blocks and keep them)."""
+    migration = distserve.parse_migration(body)
+    with_cache = bool(body.pop("with_cache", False))
+    body.pop("preserve_cache", None)
+    if migration is not None:
+        await distserve.migrate_in(sim, migration)
+    if not with_cache:
+        return migration is not None, whole
+
+    def with_blocks(job: Job) -> dict[str, Any]:
+        out = whole(job)
+        seq = job.seqs[0]
+        if not seq.aborted:
+            out.update(distserve.with_cache_fields(distserve.hold(sim, prompt.tokens), output_ids(0, max(1, seq.generated))[-1]))
+        return out
+
+    return migration is not None, with_blocks
 
 
 _RESPONSES_UNSUPPORTED = ("background", "context_management", "conversation", "previous_response_id", "prompt")
@@ -269,8 +298,10 @@ async def generate(request: Request) -> Response:
     else:
         raise ApiError(400, "Either `prompt` or `input_ids` is required.", param="prompt")
     prompt = to_prompt(source, sim.config.block_tokens)
+    # lmdeploy's GenerateReqInput: max_tokens, default 128 (SGLang's sampling_params.max_new_tokens also read).
     params = body.get("sampling_params") if isinstance(body.get("sampling_params"), dict) else {}
-    budget, limited = output_budget(sim, {**body, **params}, ("max_new_tokens", "max_tokens"), prompt)
+    merged = {"max_tokens": 128, **body, **params}
+    budget, limited = output_budget(sim, merged, ("max_new_tokens", "max_tokens"), prompt)
     job = submit(sim, sim.models[0], [prompt], 1, budget, limited, session_id_of(sim, body))
     return await answer(sim, request, job, body, generate_frames, generate_body)
 

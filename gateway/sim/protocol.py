@@ -301,12 +301,13 @@ async def messages_frames(job: Job) -> AsyncIterator[bytes]:
 
 
 def _generate_meta(job: Job, seq: Sequence, *, finished: bool, generated: int) -> dict[str, Any]:
+    # lmdeploy's GenerateReqMetaOutput (serve/openai/protocol.py), every field, in its order.
     return {
-        "id": job.id_hex,
-        "finish_reason": {"type": job.finish_reason} if finished else None,
         "prompt_tokens": seq.prompt.tokens,
         "completion_tokens": generated,
-        "cached_tokens": seq.cached_tokens,
+        "finish_reason": {"type": job.finish_reason} if finished else None,
+        "output_token_logprobs": None,
+        "routed_experts": None,
     }
 
 
