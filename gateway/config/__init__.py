@@ -85,7 +85,7 @@ def parse_config(data: Any, *, base_dir: Path | None = None, env: dict[str, str]
     health = read_health(root.section("health"))
     upstream = read_upstream(root.section("upstream"))
     balancer = read_balancer(root.section("balancer"))
-    media = read_media(root.section("media"), auth)
+    media = read_media(root.section("media"))
     root.finish()
     if server is not None and not backends and not launch and not problems:
         problems.add("backends", "no backends: configure `backends` (URLs) or `launch` (instances to start)")

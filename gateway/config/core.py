@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import yaml
 
+from ..media.url import DomainSet
 from .fields import Section
+from .media import read_domain_set
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -44,6 +46,12 @@ class ApiKeyConfig:
     media_allowed_domains: tuple[str, ...] | None = None  # None: the gateway's media policy
     rate_limit_rpm: int | None = None
     admin: bool = False  # may read the gateway's /metrics
+    # media_allowed_domains parsed once (gateway/media/url.py); a bad entry raises ValueError here
+    media_domains: DomainSet | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.media_domains is None and self.media_allowed_domains is not None:
+            object.__setattr__(self, "media_domains", DomainSet.parse(self.media_allowed_domains))
 
 
 @dataclass(frozen=True)
@@ -106,6 +114,10 @@ def _read_key(s: Section, index: int) -> ApiKeyConfig | None:
     digest = s.str("hash")
     models = s.str_list("models", None)
     media = s.str_list("media_allowed_domains", None)
+    media_domains = None
+    if media is not None:
+        owner = f" (key {name!r})"
+        media_domains = read_domain_set(media, lambda j: f"{s.where('media_allowed_domains')}[{j}]", s, owner)
     rpm = s.int("rate_limit_rpm", None, min=1)
     admin = s.bool("admin", False)
     s.finish()
@@ -122,7 +134,8 @@ def _read_key(s: Section, index: int) -> ApiKeyConfig | None:
         name=name,
         hash=norm,
         models=tuple(models) if models is not None else None,
-        media_allowed_domains=tuple(media) if media is not None else None,
+        media_allowed_domains=media_domains.texts if media_domains is not None else None,
+        media_domains=media_domains,
         rate_limit_rpm=rpm,
         admin=admin,
     )
