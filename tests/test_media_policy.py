@@ -1020,3 +1020,21 @@ def test_refused_carries_reason_strings_only():
     with pytest.raises(MediaRefused) as exc:
         parse_media_url("file:///etc/passwd")
     assert exc.value.reason == "url_scheme_not_allowed" and "passwd" not in exc.value.why
+
+
+def test_media_package_imports_nothing_above_it():
+    """gateway/media/ is a lower layer: config stores its parsed forms and the filter applies them."""
+    import ast
+    from pathlib import Path
+
+    import gateway.media
+
+    root = Path(gateway.media.__file__).parent
+    for path in sorted(root.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        guarded = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and id(node) not in guarded:
+                relative_up = node.level > 1
+                absolute_gateway = node.level == 0 and (node.module or "").startswith("gateway") and not (node.module or "").startswith("gateway.media")
+                assert not relative_up and not absolute_gateway, f"{path.name} imports {'.' * node.level}{node.module}"
