@@ -20,28 +20,27 @@ import logging
 import re
 import secrets
 import time
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
-
-import orjson
+from typing import Any, Awaitable, Callable
 
 from . import metrics
-from .errors import Refusal
+from .errors import Refusal, model_not_found
 from .filters import RequestContext
-from .filters.auth import key_id, model_allowed
-from .routing.router import model_not_found
+from .filters.auth import ApiKeyAuth, key_id, model_allowed
+from .filters.body import BodyPolicy
+from .filters.limits import RateLimit
+from .filters.media import MediaPolicy
+from .filters.paths import PathPolicy
+from .local_routes import LocalRoutes
+from .responses import JSON_CONTENT_TYPE as _JSON
+from .responses import Receive, Scope, Send, refuse, send_json
+from .routing.router import Router
 from .upstream import FORWARD_REQUEST_HEADERS
-
-if TYPE_CHECKING:
-    from .app import Gateway
 
 log = logging.getLogger("gateway.listener")
 
-Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
+__all__ = ["Listener", "Receive", "Scope", "Send", "refuse", "send_json"]
 
 _REQUEST_ID = re.compile(rb"^[A-Za-z0-9._\-]{1,64}$")
-_JSON = (b"content-type", b"application/json")
 WATCH_AFTER = 0.02  # seconds before a request starts watching for its client to go away
 
 
@@ -67,17 +66,38 @@ class _ClientGone(Exception):
     pass
 
 
+Lifecycle = Callable[[], Awaitable[None]]
+
+
 class Listener:
-    def __init__(self, gateway: "Gateway"):
-        self.gw = gateway
-        self.paths = gateway.paths
-        self.auth = gateway.auth
-        self.limits = gateway.limits
-        self.body = gateway.body
-        self.media = gateway.media
-        self.router = gateway.router
-        self.max_body = gateway.config.limits.max_body_bytes
-        self.access_log = gateway.config.server.access_log
+    """The filter chain for one port; it is handed its collaborators and knows nothing of the wiring."""
+
+    def __init__(
+        self,
+        *,
+        paths: PathPolicy,
+        auth: ApiKeyAuth,
+        limits: RateLimit,
+        body: BodyPolicy,
+        media: MediaPolicy,
+        local: LocalRoutes,
+        router: Router,
+        max_body: int,
+        access_log: bool = False,
+        startup: Lifecycle | None = None,
+        shutdown: Lifecycle | None = None,
+    ):
+        self.paths = paths
+        self.auth = auth
+        self.limits = limits
+        self.body = body
+        self.media = media
+        self.local = local
+        self.router = router
+        self.max_body = max_body
+        self.access_log = access_log
+        self._startup = startup
+        self._shutdown = shutdown
         self._counters: dict[tuple[str, int], Any] = {}
         self._histograms: dict[str, Any] = {}
 
@@ -95,7 +115,8 @@ class Listener:
             message = await receive()
             if message["type"] == "lifespan.startup":
                 try:
-                    await self.gw.startup()
+                    if self._startup is not None:
+                        await self._startup()
                 except Exception as exc:
                     log.error("start-up failed: %s", exc)
                     await send({"type": "lifespan.startup.failed", "message": str(exc)})
@@ -103,7 +124,8 @@ class Listener:
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 try:
-                    await self.gw.shutdown()
+                    if self._shutdown is not None:
+                        await self._shutdown()
                 finally:
                     await send({"type": "lifespan.shutdown.complete"})
                 return
@@ -113,7 +135,7 @@ class Listener:
         started = time.monotonic()
         ctx = self._context(scope)
         if isinstance(ctx, Refusal):
-            await self._refuse(send, ctx, "openai")
+            await refuse(send, ctx, "openai")
             status, kind = ctx.status, "unrouted"
             ctx = None
         else:
@@ -156,28 +178,28 @@ class Listener:
         if refusal is None and self.limits.active:
             refusal = self.limits.check(ctx)
         if refusal is None and not route.forward:
-            return await self.gw.answer_local(ctx, send)
+            return await self.local.answer(ctx, send)
         if refusal is None:
             refusal = self.body.check_headers(ctx)
         if refusal is not None:
             # The body was never read: close the connection rather than drain it for the client.
-            return await self._refuse(send, refusal, route.style, close=_has_body(ctx))
+            return await refuse(send, refusal, route.style, close=_has_body(ctx))
         try:
             raw = await self._read_body(receive)
         except _ClientGone:
             return 499
         if raw is None:
-            return await self._refuse(send, self.body.too_large, route.style, close=True)
+            return await refuse(send, self.body.too_large, route.style, close=True)
         refusal = self.body.parse(ctx, raw)
         if refusal is None and not model_allowed(ctx.key, ctx.model or ""):
             refusal = model_not_found(ctx.model or "")
         if refusal is None:
             refusal = await self.media.check_body_async(ctx) if self.media.is_async else self.media.check_body(ctx)
         if refusal is not None:
-            return await self._refuse(send, refusal, route.style)
+            return await refuse(send, refusal, route.style)
         payload = self.body.serialise(ctx.body)  # type: ignore[arg-type]
         if isinstance(payload, Refusal):
-            return await self._refuse(send, payload, route.style)
+            return await refuse(send, payload, route.style)
         return await self._forward(ctx, payload, receive, send)
 
     async def _read_body(self, receive: Receive) -> bytes | None:
@@ -223,7 +245,7 @@ class Listener:
             await send(message)
 
         async def reply(refusal: Refusal) -> None:
-            await self._refuse(send_tracked, refusal, ctx.style)
+            await refuse(send_tracked, refusal, ctx.style)
 
         async def watch() -> None:
             # A client that goes away must cancel the upstream request: that frees the GPU.
@@ -254,22 +276,3 @@ class Listener:
             timer.cancel()
             if watcher:
                 watcher[0].cancel()
-
-    async def _refuse(self, send: Send, refusal: Refusal, style: str, close: bool = False) -> int:
-        metrics.REFUSALS.labels(reason=refusal.reason).inc()
-        body = refusal.body(style)
-        headers = [_JSON, (b"content-length", str(len(body)).encode()), *refusal.headers]
-        if close:
-            headers.append((b"connection", b"close"))
-        await send({"type": "http.response.start", "status": refusal.status, "headers": headers})
-        await send({"type": "http.response.body", "body": body, "more_body": False})
-        return refusal.status
-
-
-async def send_json(send: Send, status: int, data: Any, extra: list[tuple[bytes, bytes]] | None = None) -> None:
-    body = orjson.dumps(data)
-    headers = [_JSON, (b"content-length", str(len(body)).encode())]
-    if extra:
-        headers += extra
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body, "more_body": False})

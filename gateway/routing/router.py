@@ -16,7 +16,7 @@ from typing import Any, Awaitable, Callable
 import orjson
 
 from .. import metrics
-from ..errors import Refusal, sse_error_event
+from ..errors import Refusal, model_not_found, sse_error_event
 from ..filters import RequestContext
 from ..upstream import Upstream, UpstreamFailure, UpstreamResponse, UpstreamTimeout
 from .balancer import Balancer, Outcome, RequestInfo
@@ -27,16 +27,6 @@ log = logging.getLogger("gateway.router")
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 RETRYABLE_STATUS = (502, 503)
-
-
-def model_not_found(model: str) -> Refusal:
-    return Refusal(
-        404,
-        f"The model {model[:128]!r} does not exist or you do not have access to it.",
-        "model_not_found",
-        param="model",
-        code="model_not_found",
-    )
 
 
 NO_BACKEND = Refusal(503, "No healthy backend is available for this model; try again shortly.", "no_healthy_backend", code="service_unavailable")
