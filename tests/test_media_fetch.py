@@ -278,6 +278,21 @@ def test_time_cap_covers_the_whole_fetch(server: MediaServer, client_ssl: ssl.SS
     assert exc.value.reason == "fetch_timeout" and "0.3 s" in exc.value.why
 
 
+def test_concurrency_cap_holds_and_the_wait_counts_against_the_time_cap(server: MediaServer, client_ssl: ssl.SSLContext):
+    f = MediaFetcher(timeout=0.3, concurrency=1, resolver=resolver_for(ANSWERS), ssl_context=client_ssl, address_allowed=loopback_for_tests)
+    before = server.hits["/no-type"]
+
+    async def two() -> list[Any]:
+        d = domains(server)
+        slow = f.fetch(parse_media_url(server.url("/slow")), "image", ("image/png",), d, BIG, Budget(BIG, BIG))
+        queued = f.fetch(parse_media_url(server.url("/no-type")), "image", ("image/png",), d, BIG, Budget(BIG, BIG))
+        return await asyncio.gather(slow, queued, return_exceptions=True)
+
+    results = asyncio.run(two())
+    assert [getattr(r, "reason", r) for r in results] == ["fetch_timeout", "fetch_timeout"]
+    assert server.hits["/no-type"] == before, "the queued fetch ran beside the one holding the only slot"
+
+
 def test_redirect_count_is_the_configured_one(server: MediaServer, client_ssl: ssl.SSLContext):
     assert fetch(fetcher(client_ssl, max_redirects=6), server, server.url("/hop0")) == ("image/png", PNG)
     with pytest.raises(Exception) as exc:

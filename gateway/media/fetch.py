@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from typing import Iterable
+from typing import Any, Iterable
 
 import h11
 
@@ -81,11 +81,15 @@ class MediaFetcher:
 
     async def fetch(self, url: MediaUrl, kind: str, mimes: Iterable[str], domains: DomainSet, max_bytes: int, budget: Budget, copies: int = 1) -> tuple[str, bytes]:
         """``(mime, content)`` of ``url``; ``copies``: how many places in the body will hold it (for the budget)."""
+        try:
+            # The time cap covers the wait for a free slot too, so a busy gateway answers in bounded time.
+            return await asyncio.wait_for(self._fetch_in_slot(url, kind, tuple(mimes), domains, max_bytes, budget, copies), self.timeout)
+        except asyncio.TimeoutError:
+            raise MediaRefused("fetch_timeout", f"fetching the media from {url.host!r} took longer than {self.timeout:g} s") from None
+
+    async def _fetch_in_slot(self, *args: Any) -> tuple[str, bytes]:
         async with self._slots:
-            try:
-                return await asyncio.wait_for(self._fetch(url, kind, tuple(mimes), domains, max_bytes, budget, copies), self.timeout)
-            except asyncio.TimeoutError:
-                raise MediaRefused("fetch_timeout", f"fetching the media from {url.host!r} took longer than {self.timeout:g} s") from None
+            return await self._fetch(*args)
 
     async def _fetch(self, url: MediaUrl, kind: str, mimes: tuple[str, ...], domains: DomainSet, max_bytes: int, budget: Budget, copies: int) -> tuple[str, bytes]:
         hops = 0
