@@ -36,11 +36,9 @@ BIG = 4096  # max_item_bytes in these tests
 class MediaServer:
     """A small HTTPS server: one behaviour per path, a hit count per path, released by the test at the end."""
 
-    def __init__(self, ca: trustme.CA):
+    def __init__(self, ca: trustme.CA | None):
         self.hits: Counter[str] = Counter()
         self.release = threading.Event()
-        server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        ca.issue_cert(*NAMES).configure_cert(server_ctx)
         outer = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -54,13 +52,18 @@ class MediaServer:
 
         self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
-        self.httpd.socket = server_ctx.wrap_socket(self.httpd.socket, server_side=True)
+        self.scheme = "http"
+        if ca is not None:  # None: plain http, for entries written http://host
+            server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            ca.issue_cert(*NAMES).configure_cert(server_ctx)
+            self.httpd.socket = server_ctx.wrap_socket(self.httpd.socket, server_side=True)
+            self.scheme = "https"
         self.port = self.httpd.server_address[1]
         self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
         self.thread.start()
 
     def url(self, path: str, host: str = "media.test") -> str:
-        return f"https://{host}:{self.port}{path}"
+        return f"{self.scheme}://{host}:{self.port}{path}"
 
     def route(self, h: http.server.BaseHTTPRequestHandler, path: str) -> None:
         def answer(status: int, body: bytes = b"", **headers: str) -> None:
@@ -291,6 +294,22 @@ def test_concurrency_cap_holds_and_the_wait_counts_against_the_time_cap(server: 
     results = asyncio.run(two())
     assert [getattr(r, "reason", r) for r in results] == ["fetch_timeout", "fetch_timeout"]
     assert server.hits["/no-type"] == before, "the queued fetch ran beside the one holding the only slot"
+
+
+def test_plain_http_only_where_the_entry_allows_it(client_ssl: ssl.SSLContext):
+    plain = MediaServer(None)
+    try:
+        f = fetcher(client_ssl)
+        url = parse_media_url(plain.url("/cat.png"))
+        allowed = DomainSet.parse([f"http://media.test:{plain.port}"])
+        assert asyncio.run(f.fetch(url, "image", ("image/png",), allowed, BIG, Budget(BIG, BIG))) == ("image/png", PNG)
+        assert asyncio.run(f.fetch(parse_media_url(plain.url("/redirect-relative")), "image", ("image/png",), allowed, BIG, Budget(BIG, BIG)))[1] == PNG
+        https_only = DomainSet.parse([f"media.test:{plain.port}"])
+        policy = MediaPolicy(MediaConfig(allowed_domains=https_only.texts, fetch="inline"), fetcher=f)
+        refusal = asyncio.run(policy.check_body_async(context("chat", chat(img(plain.url("/cat.png"))))))
+        assert refusal.reason == "http_not_allowed" and plain.hits["/cat.png"] == 1
+    finally:
+        plain.stop()
 
 
 def test_redirect_count_is_the_configured_one(server: MediaServer, client_ssl: ssl.SSLContext):

@@ -78,7 +78,7 @@ class Rules:
         self.drop_unknown = cfg.unknown_part_keys == "drop"
         self.mimes = {kind: cfg.mimes(kind) for kind in MEDIA_KINDS}
         self.params = {kind: frozenset(cfg.params(kind)) for kind in MEDIA_KINDS}
-        if cfg.check_magic:
+        if cfg.check_magic or cfg.fetch == "inline":  # both read the signatures: to verify base64, to sniff fetched bytes
             for kind in MEDIA_KINDS:
                 for mime in self.mimes[kind]:
                     if (kind, mime) not in SIGNATURES:
