@@ -175,8 +175,6 @@ class Listener:
         """The chain for one routed request; returns the status the client got (499: it left)."""
         route = ctx.route
         refusal = self.auth.check(ctx)
-        if refusal is None and self.limits.active:
-            refusal = self.limits.check(ctx)
         if refusal is None and not route.forward:
             return await self.local.answer(ctx, send)
         if refusal is None:
@@ -200,7 +198,15 @@ class Listener:
         payload = self.body.serialise(ctx.body)  # type: ignore[arg-type]
         if isinstance(payload, Refusal):
             return await refuse(send, payload, route.style)
-        return await self._forward(ctx, payload, receive, send)
+        admission = await self.limits.admit(ctx)  # per-key limits (state layer): one store call at most
+        if isinstance(admission, Refusal):
+            return await refuse(send, admission, route.style)
+        ctx.admission = admission
+        try:
+            return await self._forward(ctx, payload, receive, send)
+        finally:
+            if admission is not None:
+                self.limits.settle(admission, ctx.outcome)
 
     async def _read_body(self, receive: Receive) -> bytes | None:
         """The whole body, or None once it passes the size cap (we stop reading there)."""
@@ -240,6 +246,8 @@ class Listener:
         async def send_tracked(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
                 message["headers"].append((b"x-request-id", rid))
+                if ctx.admission is not None and ctx.admission.headers:
+                    message["headers"] += ctx.admission.headers
             elif not message.get("more_body", False):
                 state["done"] = True
             await send(message)

@@ -35,6 +35,7 @@ from .core import (
 from .fields import ConfigError, Problems, Section, expand_env
 from .launch import LaunchGroup, read_launch
 from .media import MediaConfig, read_media
+from .state import StateConfig, read_state
 
 __all__ = [
     "ApiKeyConfig",
@@ -48,6 +49,7 @@ __all__ = [
     "LimitsConfig",
     "MediaConfig",
     "ServerConfig",
+    "StateConfig",
     "TimeoutsConfig",
     "UpstreamConfig",
     "load_config",
@@ -67,6 +69,7 @@ class GatewayConfig:
     upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
     balancer: BalancerConfig = field(default_factory=BalancerConfig)
     media: MediaConfig = field(default_factory=MediaConfig)
+    state: StateConfig = field(default_factory=StateConfig)
     source: str = "<memory>"
 
 
@@ -86,6 +89,7 @@ def parse_config(data: Any, *, base_dir: Path | None = None, env: dict[str, str]
     upstream = read_upstream(root.section("upstream"))
     balancer = read_balancer(root.section("balancer"))
     media = read_media(root.section("media"))
+    state = read_state(root.section("state"))
     root.finish()
     if server is not None and not backends and not launch and not problems:
         problems.add("backends", "no backends: configure `backends` (URLs) or `launch` (instances to start)")
@@ -101,6 +105,7 @@ def parse_config(data: Any, *, base_dir: Path | None = None, env: dict[str, str]
         upstream=upstream,
         balancer=balancer,
         media=media,
+        state=state,
         source=source,
     )
 

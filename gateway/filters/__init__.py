@@ -18,7 +18,7 @@ from ..routes import Route
 class RequestContext:
     """What the filters know about one request, filled in as it moves down the chain."""
 
-    __slots__ = ("scope", "route", "headers", "key", "body", "model", "style")
+    __slots__ = ("scope", "route", "headers", "key", "body", "model", "style", "admission", "outcome")
 
     def __init__(self, scope: dict[str, Any], route: Route, headers: dict[bytes, bytes]):
         self.scope = scope
@@ -28,6 +28,8 @@ class RequestContext:
         self.body: dict[str, Any] | None = None
         self.model: str | None = None
         self.style = route.style
+        self.admission: Any = None  # the state layer's Admission, while limits and usage apply
+        self.outcome: Any = None  # the router's Outcome (status, usage) of the last attempt
 
 
 class HeaderFilter(Protocol):

@@ -137,6 +137,7 @@ class Router:
                 await response.aclose()
         finally:
             outcome.duration = time.monotonic() - start
+            ctx.outcome = outcome  # usage, for the state layer's settling
             self.balancer.completed(b, req, outcome)
 
     async def _relay_whole(
