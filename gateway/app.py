@@ -72,7 +72,7 @@ class Gateway:
         if self.config.auth.disabled:
             log.warning("AUTHENTICATION IS DISABLED (auth.disabled: true): anyone who can reach this port can use every backend")
         up = self.config.upstream
-        self.upstream = make_upstream(up.transport, self.config.timeouts, up.max_connections)
+        self.upstream = make_upstream(up.transport, self.config.timeouts, up.max_connections, up)
         self.router.upstream = self.upstream
         self.control_client = make_client(self.config.timeouts)  # health checks and metrics scraping
         self.pool.start(self.control_client)
