@@ -84,7 +84,7 @@ class Gateway:
         await self.store.start()
         self.keys_file.start()
         up = self.config.upstream
-        self.upstream = make_upstream(up.transport, self.config.timeouts, up.max_connections)
+        self.upstream = make_upstream(up.transport, self.config.timeouts, up.max_connections, up)
         self.router.upstream = self.upstream
         self.control_client = make_client(self.config.timeouts)  # health checks and metrics scraping
         self.pool.start(self.control_client)

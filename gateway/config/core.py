@@ -102,6 +102,11 @@ class TimeoutsConfig:
 class UpstreamConfig:
     transport: str = "native"  # see gateway/upstream.py; the others are there to be measured against
     max_connections: int = 4096
+    # Backends are untrusted: what they send back is bounded (gateway/upstream.py).
+    max_response_bytes: int = 64 * 1024 * 1024  # a whole (non-streamed) response body
+    max_header_bytes: int = 64 * 1024  # status line and headers together
+    max_headers: int = 100
+    max_line_bytes: int = 4 * 1024 * 1024  # a streamed response: bytes without a newline
 
 
 @dataclass(frozen=True)
@@ -315,7 +320,7 @@ def read_health(s: Section) -> HealthConfig:
 
 
 
-TRANSPORTS = ("native", "aiohttp", "httpx-aiohttp", "httpx")
+TRANSPORTS = ("native", "aiohttp")  # gateway/upstream.py says why the httpx ones were dropped
 
 
 def read_upstream(s: Section) -> UpstreamConfig:
@@ -323,6 +328,10 @@ def read_upstream(s: Section) -> UpstreamConfig:
     cfg = UpstreamConfig(
         transport=s.enum("transport", TRANSPORTS, d.transport),
         max_connections=s.int("max_connections", d.max_connections, min=1, max=1 << 20),
+        max_response_bytes=s.int("max_response_bytes", d.max_response_bytes, min=1024, max=1 << 34),
+        max_header_bytes=s.int("max_header_bytes", d.max_header_bytes, min=1024, max=1 << 24),
+        max_headers=s.int("max_headers", d.max_headers, min=8, max=10000),
+        max_line_bytes=s.int("max_line_bytes", d.max_line_bytes, min=1024, max=1 << 30),
     )
     s.finish()
     return cfg
