@@ -87,6 +87,8 @@ class BackendConfig:
 class LimitsConfig:
     max_body_bytes: int = 32 * 1024 * 1024
     max_json_depth: int = 32
+    max_json_values: int = 1_000_000  # Python objects cost 10x+ their JSON text: cap them before parsing
+    max_upload_bytes_per_key: int = 128 * 1024 * 1024  # request bodies being received at once, per key
     drop_fields: tuple[str, ...] = DEFAULT_DROP_FIELDS
 
 
@@ -289,6 +291,8 @@ def read_limits(s: Section) -> LimitsConfig:
     cfg = LimitsConfig(
         max_body_bytes=s.int("max_body_bytes", d.max_body_bytes, min=1024, max=1 << 31),
         max_json_depth=s.int("max_json_depth", d.max_json_depth, min=4, max=512),
+        max_json_values=s.int("max_json_values", d.max_json_values, min=1000, max=100_000_000),
+        max_upload_bytes_per_key=s.int("max_upload_bytes_per_key", d.max_upload_bytes_per_key, min=1024, max=1 << 40),
         drop_fields=tuple(s.str_list("drop_fields", d.drop_fields)),
     )
     s.finish()
