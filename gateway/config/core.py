@@ -12,6 +12,7 @@ import yaml
 from ..media.url import DomainSet
 from .fields import ConfigError, Problems, Section
 from .media import read_domain_set
+from .operate import CorsConfig, read_cors
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -38,6 +39,7 @@ class ServerConfig:
     port: int = 8080
     log_level: str = "info"
     access_log: bool = False
+    cors: CorsConfig = CorsConfig()
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,7 @@ def read_server(s: Section) -> ServerConfig:
         port=s.int("port", d.port, min=0, max=65535),
         log_level=s.enum("log_level", LOG_LEVELS, d.log_level),
         access_log=s.bool("access_log", d.access_log),
+        cors=read_cors(s.section("cors")),
     )
     s.finish()
     return cfg
@@ -268,6 +271,8 @@ def read_backends(root: Section) -> tuple[BackendConfig, ...]:
     out = []
     seen = set()
     for sub in root.sections("backends"):
+        if sub.has("discover"):  # read by config.operate.read_discovery
+            continue
         url = sub.str("url")
         api_key = sub.str("api_key", None)
         models = sub.str_list("models", None)
