@@ -38,6 +38,7 @@ from ..filters import RequestContext
 from ..upstream import UpstreamFailure, UpstreamResponse, UpstreamTimeout
 from .pd_policy import PDPicker
 from .pool import Backend, BackendPool
+from .router import backend_error
 
 log = logging.getLogger("gateway.disagg")
 
@@ -407,6 +408,10 @@ class PDDispatcher:
                 self.pool.report_failure(p)
                 if response.status in (502, 503) and not last:
                     return None
+                # As the router does: a backend's 5xx body may hold a traceback; our own error, same status.
+                log.warning("prefill instance %s answered %d: %r", p.id, response.status, data[:2048])
+                await reply(backend_error(response.status, None))
+                return response.status
             if response.status != 200:
                 await _send_whole(send, response, data)  # the backend's own refusal (a too-long prompt, ...)
                 return response.status

@@ -8,6 +8,8 @@ session. Anything else a real server would check is accepted as is.
 from __future__ import annotations
 
 import asyncio
+import time
+import uuid
 import zlib
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
@@ -352,12 +354,21 @@ async def pooling(request: Request) -> Response:
     else:
         raise ApiError(400, "Input must be a string or a list.")
     tokens = sum(len(ids) for ids in batch)
+    # lmdeploy's PoolingResponse(...).model_dump(), with UsageInfo.build(prompt_tokens, 0, cached_tokens=0).
     return json_response(
         {
+            "id": f"pool-{uuid.uuid4().hex[:22]}",
             "object": "list",
+            "created": int(time.time()),
             "model": model,
             "data": [{"index": i, "object": "pooling", "data": _score(ids)} for i, ids in enumerate(batch)],
-            "usage": {"prompt_tokens": tokens, "completion_tokens": 0, "total_tokens": tokens},
+            "usage": {
+                "prompt_tokens": tokens,
+                "total_tokens": tokens,
+                "completion_tokens": 0,
+                "prompt_tokens_details": {"cached_tokens": 0},
+                "completion_tokens_details": None,
+            },
         }
     )
 
