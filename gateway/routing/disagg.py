@@ -152,7 +152,7 @@ class PDConnections:
         self._client_of = client_of
         self.timeout = timeout
         self.picker = picker
-        self._links: dict[tuple[str, str], asyncio.Future[None]] = {}
+        self._links: dict[tuple[str, str], asyncio.Task[None]] = {}
         self._ends: dict[tuple[str, str], tuple[Backend, Backend]] = {}
         self.engine_info: dict[str, dict[str, Any]] = {}
         # Sessions migrating over a link: freed on the prefill end if the link is dropped mid-way.
@@ -191,23 +191,28 @@ class PDConnections:
         return cfg
 
     async def ensure(self, p: Backend, d: Backend, serving: ModelServing) -> None:
+        """Connected once per pair. The set-up runs in its own task, so a client that leaves
+        mid-way does not fail the other requests waiting on the same pair."""
         key = (p.id, d.id)
-        f = self._links.get(key)
-        if f is not None and not (f.done() and (f.cancelled() or f.exception() is not None)):
-            await asyncio.shield(f)
-            return
-        f = asyncio.get_running_loop().create_future()
-        self._links[key] = f
-        self._ends[key] = (p, d)
+        task = self._links.get(key)
+        if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
+            task = asyncio.get_running_loop().create_task(self._setup(key, p, d, serving))
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a failure nobody awaits is not "unretrieved"
+            self._links[key] = task
+            self._ends[key] = (p, d)
+        await asyncio.shield(task)
+
+    async def _setup(self, key: tuple[str, str], p: Backend, d: Backend, serving: ModelServing) -> None:
         try:
             await self._connect(p, d, serving)
         except BaseException as exc:
-            self._links.pop(key, None)
-            f.set_exception(exc if isinstance(exc, PDError) else PDError(str(exc)))
-            f.exception()  # mark retrieved: waiters have already seen it or will re-raise
+            if self._links.get(key) is asyncio.current_task():
+                self._links.pop(key, None)
+                self._ends.pop(key, None)
             PD_CONNECTS.labels(outcome="failed").inc()
-            raise
-        f.set_result(None)
+            if isinstance(exc, PDError):
+                raise
+            raise PDError(f"{exc.__class__.__name__}: {exc}") from None
         self.setups += 1
         PD_CONNECTS.labels(outcome="ok").inc()
 
@@ -262,8 +267,13 @@ class PDConnections:
         """An instance left or died: drop every link it is part of, on both ends; free shelved sessions."""
         self.engine_info.pop(backend_id, None)
         for key in [k for k in self._links if backend_id in k]:
-            self._links.pop(key, None)
-            p, d = self._ends.pop(key)
+            task = self._links.pop(key, None)
+            if task is not None and not task.done():
+                task.cancel()
+            ends = self._ends.pop(key, None)
+            if ends is None:
+                continue
+            p, d = ends
             for sid in self.shelf.pop(key, set()):
                 await self.free(p, sid, "instance_left")
             for left, right in ((p, d), (d, p)):
@@ -443,7 +453,7 @@ class PDDispatcher:
         tokens: int,
     ) -> int | None:
         """Connect, decode, relay. Frees the prefill blocks unless the decode finished. None: retry."""
-        done = False
+        progress = {"done": False}  # set once the client has the whole answer, even if it leaves right after
         key = (p.id, d.id)
         shelved = False
         try:
@@ -466,19 +476,18 @@ class PDDispatcher:
             }
             self.conns.shelf.setdefault(key, set()).add(pre.session_id)
             shelved = True
-            status, done = await self._decode(d, ctx, orjson.dumps(decode_body), path, headers, send, reply, last, tokens)
-            return status
+            return await self._decode(d, ctx, orjson.dumps(decode_body), path, headers, send, reply, last, tokens, progress)
         finally:
             if shelved:
                 self.conns.shelf.get(key, set()).discard(pre.session_id)
-            if not done:
+            if not progress["done"]:
                 # Decode failed, never started, or the client left (this also runs on cancellation).
                 self._background(self.conns.free(p, pre.session_id, "decode_not_done"))
 
     async def _decode(
         self, d: Backend, ctx: RequestContext, payload: bytes, path: str, headers: list[tuple[bytes, bytes]],
-        send: Send, reply: Reply, last: bool, tokens: int,
-    ) -> tuple[int | None, bool]:
+        send: Send, reply: Reply, last: bool, tokens: int, progress: dict[str, bool],
+    ) -> int | None:
         self.picker.decode_started(d, tokens)
         d.in_flight += 1
         try:
@@ -487,7 +496,7 @@ class PDDispatcher:
             except UpstreamTimeout as exc:
                 self.pool.report_failure(d)
                 await reply(TIMEOUTS[exc.phase])
-                return TIMEOUTS[exc.phase].status, False
+                return TIMEOUTS[exc.phase].status
             except UpstreamFailure as exc:
                 metrics.UPSTREAM_ERRORS.labels(backend=d.id, kind=exc.kind).inc()
                 if exc.kind == "connect_refused":
@@ -496,47 +505,54 @@ class PDDispatcher:
                     self.pool.report_failure(d)
                 if last:
                     await reply(UPSTREAM_FAILED)
-                    return UPSTREAM_FAILED.status, False
-                return None, False
+                    return UPSTREAM_FAILED.status
+                return None
             try:
                 if response.status >= 500:
                     # lmdeploy fails a migration (an unreachable prefill engine, a dropped link) with a 5xx:
                     # before any byte the whole request is retried, else answered with our own error.
                     self.pool.report_failure(d)
                     if not last:
-                        return None, False
+                        return None
                     await reply(DECODE_FAILED)
-                    return DECODE_FAILED.status, False
+                    return DECODE_FAILED.status
                 else:
                     self.pool.report_success(d)
                 if response.status == 200 and response.is_event_stream:
-                    return 200, await self._relay_stream(d, ctx, response, send)
+                    await self._relay_stream(d, ctx, response, send, progress)
+                    return 200
                 try:
                     data = await self.upstream.read_all(response)
                 except UpstreamTimeout as exc:
                     self.pool.report_failure(d)
                     await reply(TIMEOUTS[exc.phase])
-                    return TIMEOUTS[exc.phase].status, False
+                    return TIMEOUTS[exc.phase].status
                 except UpstreamFailure:
                     self.pool.report_failure(d)
                     if last:
                         await reply(UPSTREAM_FAILED)
-                        return UPSTREAM_FAILED.status, False
-                    return None, False
+                        return UPSTREAM_FAILED.status
+                    return None
+                progress["done"] = response.status == 200
                 await _send_whole(send, response, data)
-                return response.status, response.status == 200
+                return response.status
             finally:
                 await response.aclose()
         finally:
             d.in_flight -= 1
             self.picker.decode_done(d, tokens)
 
-    async def _relay_stream(self, d: Backend, ctx: RequestContext, response: UpstreamResponse, send: Send) -> bool:
+    async def _relay_stream(self, d: Backend, ctx: RequestContext, response: UpstreamResponse, send: Send, progress: dict[str, bool]) -> None:
         hdrs = list(response.headers) + [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
         await send({"type": "http.response.start", "status": 200, "headers": hdrs})
+        errored = False
         try:
             async for chunk in response.chunks():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                if b'data: {"error"' in chunk:
+                    errored = True  # lmdeploy reports an engine error in the stream, then [DONE]
+                elif b"data: [DONE]" in chunk and not errored:
+                    progress["done"] = True  # the client has it all: the decode engine frees the prefill blocks
         except (UpstreamTimeout, UpstreamFailure) as exc:
             kind = f"{exc.phase}_timeout" if isinstance(exc, UpstreamTimeout) else "stream_broken"
             metrics.UPSTREAM_ERRORS.labels(backend=d.id, kind=kind).inc()
@@ -544,9 +560,9 @@ class PDDispatcher:
             log.warning("decode stream from %s broke mid-way (%s)", d.id, kind)
             event = sse_error_event("The backend stopped answering before the response was complete.", ctx.style)
             await send({"type": "http.response.body", "body": event, "more_body": False})
-            return False
+            return
+        progress["done"] = not errored
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-        return True
 
 
 async def _send_whole(send: Send, response: UpstreamResponse, data: bytes) -> None:
