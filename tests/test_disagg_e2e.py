@@ -179,6 +179,7 @@ def test_prefill_dying_after_prefill_gives_a_defined_error_then_the_pair_reconne
         assert ds(d)["migrations"] == 1
         # The link was dropped on the decode end when the prefill instance died; after its restart the pair reconnects.
         wait_until(lambda: ds(d)["connected"] == [], 10, 0.05, "the decode end dropped the link")
+        assert ds(d)["calls"]["p2p_drop_connect"] == 1
         wait_until(lambda: p.healthy, 20, 0.05, "the prefill instance restarted")
         ok = c.chat.completions.create(model="pd", messages=[{"role": "user", "content": "again"}], max_tokens=2)
         assert ok.usage.completion_tokens == 2

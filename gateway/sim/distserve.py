@@ -35,7 +35,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from .errors import ApiError, json_response
-from . import inference  # (a cycle: inference uses this module; names are looked up at call time)
+from .requests import read_json, sim_of
 from .state import SimState
 
 SUCCESS = 1  # DistServeConnectionStatus.SUCCESS
@@ -127,7 +127,7 @@ def _unprocessable(exc: _Unprocessable) -> Response:
 
 
 async def engine_info(request: Request) -> Response:
-    sim = inference.sim_of(request)
+    sim = sim_of(request)
     ds = ds_of(sim)
     ds.calls["engine_info"] += 1
     _maybe_fail(ds, "engine_info")
@@ -146,9 +146,9 @@ async def engine_info(request: Request) -> Response:
 
 
 async def p2p_initialize(request: Request) -> Response:
-    sim = inference.sim_of(request)
+    sim = sim_of(request)
     ds = ds_of(sim)
-    body = await inference.read_json(request)
+    body = await read_json(request)
     ds.calls["p2p_initialize"] += 1
     try:
         _require(body, "local_engine_id", "local_engine_config", "remote_engine_id", "remote_engine_config", "protocol")
@@ -169,9 +169,9 @@ async def p2p_initialize(request: Request) -> Response:
 
 
 async def p2p_connect(request: Request) -> Response:
-    sim = inference.sim_of(request)
+    sim = sim_of(request)
     ds = ds_of(sim)
-    body = await inference.read_json(request)
+    body = await read_json(request)
     ds.calls["p2p_connect"] += 1
     try:
         _require(body, "protocol", "remote_engine_id", "remote_engine_endpoint_info", "remote_kvtransfer_endpoint_info")
@@ -186,9 +186,9 @@ async def p2p_connect(request: Request) -> Response:
 
 
 async def p2p_drop_connect(request: Request) -> Response:
-    sim = inference.sim_of(request)
+    sim = sim_of(request)
     ds = ds_of(sim)
-    body = await inference.read_json(request)
+    body = await read_json(request)
     ds.calls["p2p_drop_connect"] += 1
     try:
         _require(body, "engine_id", "remote_engine_id")
@@ -201,9 +201,9 @@ async def p2p_drop_connect(request: Request) -> Response:
 
 
 async def free_cache(request: Request) -> Response:
-    sim = inference.sim_of(request)
+    sim = sim_of(request)
     ds = ds_of(sim)
-    body = await inference.read_json(request)
+    body = await read_json(request)
     ds.calls["free_cache"] += 1
     try:
         _require(body, "remote_engine_id", "remote_session_id")
@@ -251,9 +251,9 @@ def with_cache_fields(h: Held, token_id: int) -> dict[str, Any]:
 
 async def migrate_out(request: Request) -> Response:
     """``POST /_sim/migrate`` from a decode instance: hand over (and free) a held session."""
-    sim = inference.sim_of(request)
+    sim = sim_of(request)
     ds = ds_of(sim)
-    body = await inference.read_json(request)
+    body = await read_json(request)
     if ds.exit_after_prefill:
         os._exit(1)  # a crash between prefill and migration: no answer, no graceful shutdown
     engine_id, sid, blocks = body.get("engine_id"), body.get("session_id"), body.get("block_ids")
@@ -315,10 +315,10 @@ async def control(request: Request) -> Response:
     """``GET /_sim/distserve``: the record. ``POST`` arms faults: ``{"fail_next": {"p2p_connect": 1, ...}}``
     (500s from those routes), ``{"exit_after_prefill": true}`` (the process dies once a prefill answer went out
     and a decode instance comes for its blocks)."""
-    sim = inference.sim_of(request)
+    sim = sim_of(request)
     ds = ds_of(sim)
     if request.method == "POST":
-        body = await inference.read_json(request)
+        body = await read_json(request)
         fail = body.get("fail_next", {})
         names = ("engine_info", "p2p_initialize", "p2p_connect")
         if not isinstance(fail, dict) or any(k not in names or type(v) is not int or v < 0 for k, v in fail.items()):

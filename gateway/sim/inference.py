@@ -20,6 +20,7 @@ from starlette.responses import Response
 
 from . import distserve
 from .connection import wait_disconnect
+from .requests import read_json, require_json_type, sim_of  # noqa: F401  (admin and control import them from here)
 from .errors import ApiError, json_response
 from .protocol import (
     Job,
@@ -49,28 +50,6 @@ from .tokens import (
 )
 
 MAX_N = 128  # lmdeploy's fan-out limit for chat `n`
-
-
-def sim_of(request: Request) -> SimState:
-    return request.app.state.sim
-
-
-def require_json_type(request: Request) -> None:
-    """lmdeploy's ``validate_json_request``: POST routes take ``application/json`` only."""
-    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-    if media_type != "application/json":
-        raise ApiError(400, "Unsupported Media Type: Only 'application/json' is allowed")
-
-
-async def read_json(request: Request) -> dict[str, Any]:
-    require_json_type(request)
-    try:
-        body = orjson.loads(await request.body())
-    except orjson.JSONDecodeError as exc:
-        raise ApiError(400, f"Invalid JSON body: {exc}.") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "The request body must be a JSON object.")
-    return body
 
 
 def resolve_model(sim: SimState, body: dict[str, Any], *, required: bool = True) -> str:
