@@ -38,7 +38,8 @@ from ..filters import RequestContext
 from ..upstream import UpstreamFailure, UpstreamResponse, UpstreamTimeout
 from .pd_policy import PDPicker
 from .pool import Backend, BackendPool
-from .router import backend_error
+from .balancer import Outcome
+from .router import _read_sse_usage, _read_usage, backend_error
 
 log = logging.getLogger("gateway.disagg")
 
@@ -490,6 +491,8 @@ class PDDispatcher:
     ) -> int | None:
         self.picker.decode_started(d, tokens)
         d.in_flight += 1
+        start = time.monotonic()
+        outcome = Outcome(status=0, ok=False)
         try:
             try:
                 response = await self.upstream.open(d.url + path, payload, headers + d.auth_headers())
@@ -507,6 +510,7 @@ class PDDispatcher:
                     await reply(UPSTREAM_FAILED)
                     return UPSTREAM_FAILED.status
                 return None
+            outcome.status = response.status
             try:
                 if response.status >= 500:
                     # lmdeploy fails a migration (an unreachable prefill engine, a dropped link) with a 5xx:
@@ -519,7 +523,7 @@ class PDDispatcher:
                 else:
                     self.pool.report_success(d)
                 if response.status == 200 and response.is_event_stream:
-                    await self._relay_stream(d, ctx, response, send, progress)
+                    await self._relay_stream(d, ctx, response, send, progress, outcome)
                     return 200
                 try:
                     data = await self.upstream.read_all(response)
@@ -534,6 +538,8 @@ class PDDispatcher:
                         return UPSTREAM_FAILED.status
                     return None
                 progress["done"] = response.status == 200
+                if response.status == 200:
+                    _read_usage(data, outcome)
                 await _send_whole(send, response, data)
                 return response.status
             finally:
@@ -541,14 +547,24 @@ class PDDispatcher:
         finally:
             d.in_flight -= 1
             self.picker.decode_done(d, tokens)
+            outcome.ok = progress["done"]
+            outcome.duration = time.monotonic() - start
+            ctx.backend, ctx.outcome = d.id, outcome  # usage for the limits' settling, the access log and the trace
 
-    async def _relay_stream(self, d: Backend, ctx: RequestContext, response: UpstreamResponse, send: Send, progress: dict[str, bool]) -> None:
+    async def _relay_stream(
+        self, d: Backend, ctx: RequestContext, response: UpstreamResponse, send: Send, progress: dict[str, bool], outcome: Outcome
+    ) -> None:
         hdrs = list(response.headers) + [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
         await send({"type": "http.response.start", "status": 200, "headers": hdrs})
         errored = False
+        started = time.monotonic()
         try:
             async for chunk in response.chunks():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                if outcome.ttft is None:
+                    outcome.ttft = time.monotonic() - started
+                if b'"usage"' in chunk:
+                    _read_sse_usage(chunk, outcome)
                 if b'data: {"error"' in chunk:
                     errored = True  # lmdeploy reports an engine error in the stream, then [DONE]
                 elif b"data: [DONE]" in chunk and not errored:
