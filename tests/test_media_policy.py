@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from gateway.config import ApiKeyConfig, AuthConfig, ConfigError, parse_config
+from gateway.config import ApiKeyConfig, ConfigError, parse_config
 from gateway.config.fields import Problems, Section
 from gateway.config.media import MediaConfig, read_media
 from gateway.filters import RequestContext
