@@ -944,6 +944,18 @@ def test_config_stores_parsed_domain_sets_for_the_gateway_and_every_key():
     assert policy.check_body(context("chat", chat(img("https://narrow.example.com/a.png")), key)) is None
 
 
+def test_a_stored_key_record_carries_the_domain_texts_and_reads_back_parsed():
+    import yaml
+
+    from gateway.state.keys import key_from_record, key_to_record
+
+    key = ApiKeyConfig(name="k", hash="sha256:" + "4" * 64, media_allowed_domains=("narrow.example.com", "*.cdn.example.org"))
+    record = key_to_record(key)
+    assert record["media_allowed_domains"] == ["narrow.example.com", "*.cdn.example.org"] and "media_domains" not in record
+    back = key_from_record(yaml.safe_load(yaml.safe_dump(record)))
+    assert back == key and back.media_domains == key.media_domains and isinstance(back.media_domains, DomainSet)
+
+
 def test_a_key_built_in_code_with_a_bad_entry_fails_loudly():
     with pytest.raises(ValueError, match="not a number from 1 to 65535"):
         ApiKeyConfig(name="x", hash="sha256:" + "3" * 64, media_allowed_domains=("images.example.com:0",))
