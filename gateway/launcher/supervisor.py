@@ -225,7 +225,10 @@ class Launcher:
         previous, elapsed = inst.state, inst.elapsed()
         inst.state, inst.since = state, time.monotonic()
         level = logging.ERROR if state in GIVEN_UP else logging.INFO
-        log.log(level, "instance %s: %s -> %s after %.1fs%s", inst.id, previous, state, elapsed, f" ({detail})" if detail else "")
+        log.log(
+            level, "instance %s: %s -> %s after %.1fs%s", inst.id, previous, state, elapsed, f" ({detail})" if detail else "",
+            extra={"fields": {"event": "instance_state", "instance": inst.id, "from": previous, "to": state, "after_s": round(elapsed, 3), "detail": detail or None}},
+        )
         self._export_state(inst)
 
     # -- one instance -------------------------------------------------------------------------------
@@ -254,7 +257,10 @@ class Launcher:
             inst.error = detail
             g = inst.group
             shown = "\n".join("    " + line for line in tail) or "    (no output)"
-            log.error("instance %s: %s; last lines of %s:\n%s", inst.id, detail, inst.log.path, shown)
+            log.error(
+                "instance %s: %s; last lines of %s:\n%s", inst.id, detail, inst.log.path, shown,
+                extra={"fields": {"event": "instance_failed", "instance": inst.id, "detail": detail, "log": str(inst.log.path)}},
+            )
             if outcome == "spawn_error" or inst.failures > g.max_restarts:
                 if outcome in ("spawn_error", "timeout"):
                     final = "failed"

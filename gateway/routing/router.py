@@ -20,8 +20,8 @@ from typing import Any, Awaitable, Callable
 
 import orjson
 
-from .. import metrics
-from ..errors import Refusal, sse_error_event
+from .. import metrics, tracing
+from ..errors import Refusal, model_not_found, sse_error_event
 from ..filters import RequestContext
 from ..upstream import Upstream, UpstreamFailure, UpstreamInvalid, UpstreamResponse, UpstreamTimeout
 from .balancer import Balancer, Outcome, RequestInfo
@@ -32,16 +32,6 @@ log = logging.getLogger("gateway.router")
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 RETRYABLE_STATUS = (502, 503)
-
-
-def model_not_found(model: str) -> Refusal:
-    return Refusal(
-        404,
-        f"The model {model[:128]!r} does not exist or you do not have access to it.",
-        "model_not_found",
-        param="model",
-        code="model_not_found",
-    )
 
 
 NO_BACKEND = Refusal(503, "No healthy backend is available for this model; try again shortly.", "no_healthy_backend", code="service_unavailable")
@@ -104,7 +94,8 @@ class Router:
                 refusal = NO_BACKEND if self.pool.knows_model(model) else model_not_found(model)
                 await reply(refusal)
                 return refusal.status
-            backend = self.balancer.pick(candidates, req)
+            with tracing.child(ctx, "pick", candidates=len(candidates)):
+                backend = self.balancer.pick(candidates, req)
             self.balancer.dispatched(backend, req)
             last = attempt == attempts - 1
             status = await self._attempt(backend, req, ctx, path, payload, headers, send, reply, last)
@@ -131,7 +122,8 @@ class Router:
         outcome = Outcome(status=0, ok=False)
         try:
             try:
-                response = await self.upstream.open(b.url + path, payload, headers + b.auth_headers())
+                with tracing.upstream_call(ctx, b.id, headers) as traced:
+                    response = await self.upstream.open(b.url + path, payload, traced + b.auth_headers())
             except UpstreamTimeout as exc:
                 self.pool.report_failure(b)
                 metrics.UPSTREAM_ERRORS.labels(backend=b.id, kind=f"{exc.phase}_timeout").inc()
@@ -175,7 +167,9 @@ class Router:
             finally:
                 await response.aclose()
         finally:
+            ctx.outcome = outcome  # usage, for the state layer's settling
             self.balancer.completed(b, req, outcome)
+            ctx.backend, ctx.outcome = b.id, outcome  # for the access log and the trace
 
     async def _relay_whole(
         self,
