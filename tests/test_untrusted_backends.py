@@ -304,8 +304,6 @@ def test_an_extra_pipelined_response_never_reaches_a_client(gw, backend):
 
 
 def test_an_unsolicited_response_on_an_idle_connection_poisons_it(gw, backend):
-    if gw.transport != "native":
-        pytest.skip("aiohttp parses bytes on an idle pooled connection into its queue; see gateway/upstream.py")
     backend.reset(late_extra)
     r1 = post(gw)
     assert r1.status_code == 200 and r1.json()["id"] == "genuine-1"
