@@ -170,3 +170,20 @@ async def test_the_checker_probes_each_backend_at_its_own_interval():
     finally:
         await pool.stop()
         await client.aclose()
+
+
+@respx.mock
+async def test_model_lists_are_bounded_in_bytes_count_and_id_length():
+    respx.get(f"{URL}/health").respond(200, json={"status": "healthy"})
+    models = respx.get(f"{URL}/v1/models")
+    b = Backend(id="b0", url=URL)
+    pool, client = pool_with(b)
+    models.respond(200, json={"data": [{"id": "ok"}, {"id": "x" * 300}, {"id": "bad\nline"}, {"id": 5}]})
+    assert await pool.check(b) and b.models == frozenset({"ok"})
+    b.models = frozenset()
+    models.respond(200, json={"data": [{"id": f"m{i}"} for i in range(5000)]})
+    assert await pool.check(b) and len(b.models) == 1024
+    b.models = frozenset()
+    models.respond(200, content=b'{"data": [' + b'{"id": "m"},' * 200_000 + b'{"id": "m"}]}')
+    assert not await pool.check(b) and b.health_status == "models_unavailable"
+    await client.aclose()

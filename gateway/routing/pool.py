@@ -34,6 +34,9 @@ else:  # pragma: no cover - Python 3.10
 log = logging.getLogger("gateway.pool")
 
 MAX_HEALTH_BODY = 4096  # a /health answer is a few bytes; a backend is not trusted to keep it so
+MAX_MODELS_BODY = 1 << 20
+MAX_MODELS = 1024
+MAX_MODEL_ID = 256
 
 
 def parse_health(status_code: int, body: bytes) -> str:
@@ -243,19 +246,12 @@ class BackendPool:
         url = b.url
         try:
             async with _timeout(self.health.timeout):  # the whole probe, a slow-drip body included
-                async with client.stream("GET", f"{url}/health", headers=headers, timeout=self.health.timeout) as r:
-                    body = b""
-                    async for chunk in r.aiter_bytes():
-                        body += chunk
-                        if len(body) > MAX_HEALTH_BODY:
-                            break
-                    code = r.status_code
-            status = parse_health(code, body[:MAX_HEALTH_BODY] if len(body) <= MAX_HEALTH_BODY else b"")
-            if len(body) > MAX_HEALTH_BODY:
-                status = "http oversized"
+                code, body = await self._get(f"{url}/health", headers, MAX_HEALTH_BODY)
+            status = parse_health(code, body) if body is not None else "http oversized"
             healthy = status == "healthy"
             if healthy and (not b.static_models and (not b.models or not b.healthy)):
-                models = await self._fetch_models(b, headers)
+                async with _timeout(self.health.timeout):
+                    models = await self._fetch_models(b, headers)
                 if models is None:
                     healthy, status = False, "models_unavailable"
                 elif models != b.models:
@@ -269,13 +265,25 @@ class BackendPool:
         self.set_health(b, healthy, status)
         return healthy
 
+    async def _get(self, url: str, headers: dict[str, str], limit: int) -> tuple[int, bytes | None]:
+        """GET with the body read up to ``limit`` bytes; None for a longer one (never read whole)."""
+        async with self._client.stream("GET", url, headers=headers, timeout=self.health.timeout) as r:  # type: ignore[union-attr]
+            body = b""
+            async for chunk in r.aiter_bytes():
+                body += chunk
+                if len(body) > limit:
+                    return r.status_code, None
+            return r.status_code, body
+
     async def _fetch_models(self, b: Backend, headers: dict[str, str]) -> frozenset[str] | None:
+        """The backend's model ids, bounded in bytes, count and length: they are served on /v1/models."""
         try:
-            r = await self._client.get(f"{b.url}/v1/models", headers=headers, timeout=self.health.timeout)  # type: ignore[union-attr]
-            if r.status_code != 200:
+            code, body = await self._get(f"{b.url}/v1/models", headers, MAX_MODELS_BODY)
+            if code != 200 or body is None:
                 return None
-            data = orjson.loads(r.content).get("data", [])
-            return frozenset(str(m["id"]) for m in data if isinstance(m, dict) and "id" in m)
+            data = orjson.loads(body).get("data", [])
+            ids = [m["id"] for m in data[:MAX_MODELS] if isinstance(m, dict) and isinstance(m.get("id"), str)]
+            return frozenset(i for i in ids if 0 < len(i) <= MAX_MODEL_ID and i.isprintable())
         except (httpx.HTTPError, OSError, orjson.JSONDecodeError, AttributeError, TypeError, KeyError):
             return None
 
