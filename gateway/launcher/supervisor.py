@@ -139,6 +139,8 @@ class Launcher:
 
     async def start(self) -> None:
         """Spawn every instance and return; they join the pool as they become healthy."""
+        if not self.pool.checking:
+            raise RuntimeError("start the pool's health checker first: it is the only prober of the instances' /health")
         self.plans = self.plan()
         self.log_dir.mkdir(parents=True, exist_ok=True)
         counts: dict[str, int] = {}

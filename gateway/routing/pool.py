@@ -304,6 +304,11 @@ class BackendPool:
     async def check_all(self, backends: Iterable[Backend] | None = None) -> None:
         await asyncio.gather(*(self.check(b) for b in (list(self._backends.values()) if backends is None else backends)))
 
+    @property
+    def checking(self) -> bool:
+        """Whether the health checker runs (the launcher relies on it: it never probes itself)."""
+        return self._periodic.running
+
     def start(self, client: httpx.AsyncClient | None = None) -> None:
         if client is not None:
             self._client = client
