@@ -41,10 +41,6 @@ TOO_LARGE = Refusal(502, "The backend's response was larger than this gateway ac
 LOGGED_ERROR_BYTES = 2048  # of a backend's 5xx body, for the operator's log
 
 
-def invalid(exc: UpstreamInvalid) -> Refusal:
-    return TOO_LARGE if exc.reason == "body_too_large" else INVALID_RESPONSE
-
-
 def backend_error(status: int, retry_after: bytes | None) -> Refusal:
     """Our own error for a backend's 5xx: the status is kept, the backend's words are not."""
     headers = ((b"retry-after", retry_after),) if retry_after is not None else ()
@@ -131,11 +127,7 @@ class Router:
                 return TIMEOUTS[exc.phase].status
             except UpstreamInvalid as exc:
                 # Not retried: a misbehaving backend is answered for, not hidden behind another try.
-                self.pool.report_failure(b)
-                metrics.UPSTREAM_ERRORS.labels(backend=b.id, kind=f"invalid_{exc.reason}").inc()
-                log.warning("backend %s sent an invalid response (%s)", b.id, exc.reason)
-                await reply(invalid(exc))
-                return invalid(exc).status
+                return await self._refuse_invalid(b, exc, reply)
             except UpstreamFailure as exc:
                 kind = exc.kind
                 metrics.UPSTREAM_ERRORS.labels(backend=b.id, kind=kind).inc()
@@ -189,10 +181,7 @@ class Router:
             await reply(TIMEOUTS[exc.phase])
             return
         except UpstreamInvalid as exc:
-            self.pool.report_failure(b)
-            metrics.UPSTREAM_ERRORS.labels(backend=b.id, kind=f"invalid_{exc.reason}").inc()
-            log.warning("backend %s sent an invalid response (%s)", b.id, exc.reason)
-            await reply(invalid(exc))
+            await self._refuse_invalid(b, exc, reply)
             return
         except UpstreamFailure:
             self.pool.report_failure(b)
@@ -208,6 +197,14 @@ class Router:
         hdrs.append((b"content-length", str(len(body)).encode()))
         await send({"type": "http.response.start", "status": response.status, "headers": hdrs})
         await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    async def _refuse_invalid(self, b: Backend, exc: UpstreamInvalid, reply: Callable[[Refusal], Awaitable[None]]) -> int:
+        self.pool.report_failure(b)
+        metrics.UPSTREAM_ERRORS.labels(backend=b.id, kind=f"invalid_{exc.reason}").inc()
+        log.warning("backend %s sent an invalid response (%s)", b.id, exc.reason)
+        refusal = TOO_LARGE if exc.reason == "body_too_large" else INVALID_RESPONSE
+        await reply(refusal)
+        return refusal.status
 
     async def _replace_error(self, b: Backend, response: UpstreamResponse, reply: Callable[[Refusal], Awaitable[None]]) -> None:
         """A backend 5xx: log (the start of) its body, answer with our own error of the same status."""
