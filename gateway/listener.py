@@ -28,6 +28,7 @@ from . import metrics
 from .errors import Refusal
 from .filters import RequestContext
 from .filters.auth import key_id, model_allowed
+from .filters.uploads import UPLOAD_BUSY, UploadBudget, UploadGrant
 from .routing.router import model_not_found
 from .upstream import FORWARD_REQUEST_HEADERS
 
@@ -77,6 +78,7 @@ class Listener:
         self.media = gateway.media
         self.router = gateway.router
         self.max_body = gateway.config.limits.max_body_bytes
+        self.uploads = UploadBudget(gateway.config.limits.max_upload_bytes_per_key)
         self.access_log = gateway.config.server.access_log
         self._counters: dict[tuple[str, int], Any] = {}
         self._histograms: dict[str, Any] = {}
@@ -142,11 +144,18 @@ class Listener:
         if isinstance(resolved, Refusal):
             return resolved
         headers: dict[bytes, bytes] = {}
+        repeated: dict[bytes, list[bytes]] | None = None
         for name, value in scope["headers"]:
             if name in headers:
-                headers[name] += b"\x00" + value  # marks a repeated header; auth and body refuse those
+                # Joined once at the end (linear); b"\x00" marks a repeated header, which auth and body refuse.
+                if repeated is None:
+                    repeated = {}
+                repeated.setdefault(name, [headers[name]]).append(value)
             else:
                 headers[name] = value
+        if repeated:
+            for name, values in repeated.items():
+                headers[name] = b"\x00".join(values)
         return RequestContext(scope, resolved, headers)
 
     async def _run(self, ctx: RequestContext, receive: Receive, send: Send) -> int:
@@ -160,14 +169,25 @@ class Listener:
         if refusal is None:
             refusal = self.body.check_headers(ctx)
         if refusal is not None:
-            # The body was never read: close the connection rather than drain it for the client.
+            # The body was never read: the connection ends after the answer (the server drains what
+            # the client still sends, bounded, so a client that writes its body first reads this).
             return await self._refuse(send, refusal, route.style, close=_has_body(ctx))
+        grant = self.uploads.grant(ctx)
+        if grant is None:
+            return await self._refuse(send, UPLOAD_BUSY, route.style, close=True)
         try:
-            raw = await self._read_body(receive)
+            return await self._run_body(ctx, grant, receive, send)
+        finally:
+            grant.release()  # the body is held until the request is over
+
+    async def _run_body(self, ctx: RequestContext, grant: UploadGrant, receive: Receive, send: Send) -> int:
+        route = ctx.route
+        try:
+            raw = await self._read_body(receive, grant)
         except _ClientGone:
             return 499
-        if raw is None:
-            return await self._refuse(send, self.body.too_large, route.style, close=True)
+        if isinstance(raw, Refusal):
+            return await self._refuse(send, raw, route.style, close=True)
         refusal = self.body.parse(ctx, raw)
         if refusal is None and not model_allowed(ctx.key, ctx.model or ""):
             refusal = model_not_found(ctx.model or "")
@@ -180,14 +200,16 @@ class Listener:
             return await self._refuse(send, payload, route.style)
         return await self._forward(ctx, payload, receive, send)
 
-    async def _read_body(self, receive: Receive) -> bytes | None:
-        """The whole body, or None once it passes the size cap (we stop reading there)."""
+    async def _read_body(self, receive: Receive, grant: UploadGrant) -> bytes | Refusal:
+        """The whole body, or a refusal once it passes the size cap or the key's upload budget (we stop reading there)."""
         first = await receive()
         if first["type"] != "http.request":
             raise _ClientGone()
         body = first.get("body", b"")
         if not first.get("more_body", False):
-            return body if len(body) <= self.max_body else None
+            if len(body) > self.max_body:
+                return self.body.too_large
+            return body if grant.grow(len(body)) else UPLOAD_BUSY
         parts = [body]
         size = len(body)
         while True:
@@ -197,7 +219,9 @@ class Listener:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body:
-                return None
+                return self.body.too_large
+            if not grant.grow(size):
+                return UPLOAD_BUSY
             parts.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(parts)
