@@ -164,10 +164,10 @@ class HttpConnection(asyncio.Protocol):
             end = (self.fed_tail + bytes(self.head[:3])).find(b"\r\n\r\n")  # straddles the parser's last bytes
             end = 0 if end >= 0 else -1
         if end < 0:
-            if len(self.head) > limits.max_head:
-                self._refuse_head(431, f"Request headers are larger than the limit of {limits.max_head} bytes.", "headers_too_large")
-            elif len(self.head) > limits.max_request_line and b"\n" not in self.head[: limits.max_request_line + 1]:
+            if len(self.head) > limits.max_request_line and b"\n" not in self.head[: limits.max_request_line + 1]:
                 self._refuse_head(414, f"Request line is longer than the limit of {limits.max_request_line} bytes.", "request_line_too_long")
+            elif len(self.head) > limits.max_head:
+                self._refuse_head(431, f"Request headers are larger than the limit of {limits.max_head} bytes.", "headers_too_large")
             return
         if end + 4 > limits.max_head:
             self._refuse_head(431, f"Request headers are larger than the limit of {limits.max_head} bytes.", "headers_too_large")
