@@ -533,14 +533,15 @@ class RequestCycle:
             if self.head_only:
                 pass
             elif self.chunked:
+                # One write per message; the last chunk and the terminator go together.
                 if body:
-                    transport.write(b"%x\r\n%s\r\n" % (len(body), body) if len(body) < 65536 else b"".join((b"%x\r\n" % len(body), body, b"\r\n")))  # type: ignore[union-attr]
-                if not more:
+                    transport.write(b"".join((b"%x\r\n" % len(body), body, b"\r\n0\r\n\r\n" if not more else b"\r\n")))  # type: ignore[union-attr]
+                elif not more:
                     transport.write(b"0\r\n\r\n")  # type: ignore[union-attr]
             elif body:
                 transport.write(body)  # type: ignore[union-attr]
             if not more:
                 self.response_complete = True
                 self.wake()
-            else:
+            elif conn.write_paused:
                 await conn.drain()
