@@ -153,10 +153,15 @@ class HttpConnection(asyncio.Protocol):
     def _head_data(self, data: bytes) -> None:
         limits = self.limits
         start = len(self.head)
-        if start == 0 and self.cycle is None and not self.pending:
-            # A request's first byte: the keep-alive wait becomes the header deadline.
-            self.conns.busy(self)
-            self._arm(limits.header_timeout, self._header_expired)
+        if start == 0:
+            if self.cycle is None and not self.pending:
+                # A request's first byte: the keep-alive wait becomes the header deadline.
+                self.conns.busy(self)
+                self._arm(limits.header_timeout, self._header_expired)
+            end = data.find(b"\r\n\r\n")
+            if 0 <= end <= limits.max_head - 4 and (end < limits.max_request_line or b"\n" in data[: limits.max_request_line + 1]):
+                self._feed(data)  # the usual case: a whole head in one read, parsed without a copy
+                return
         self.head += data
         scan = max(0, start - 3)
         end = self.head.find(b"\r\n\r\n", scan)
@@ -410,7 +415,7 @@ class RequestCycle:
 
     __slots__ = (
         "conn", "scope", "keep_alive", "expect_continue", "body", "buffered", "more_body", "disconnected",
-        "waiter", "response_started", "response_complete", "chunked", "task", "head_only", "started_at", "body_handed",
+        "waiter", "response_started", "response_complete", "chunked", "task", "head_only", "started_at", "body_handed", "held_head",
     )
 
     def __init__(self, conn: HttpConnection, scope: dict[str, Any], keep_alive: bool, expect_continue: bool):
@@ -427,6 +432,7 @@ class RequestCycle:
         self.response_started = False
         self.response_complete = False
         self.chunked = False
+        self.held_head = b""
         self.task: asyncio.Task[None] | None = None
         self.head_only = scope["method"] == "HEAD"
         self.started_at = time.monotonic()
@@ -523,13 +529,23 @@ class RequestCycle:
                 self.keep_alive = False
                 lines.append(b"connection: close\r\n")
             lines.append(b"\r\n")
-            conn.transport.write(b"".join(lines))  # type: ignore[union-attr]
+            if has_length:
+                # A sized body follows at once: head and body leave in one write (one syscall less).
+                self.held_head = b"".join(lines)
+            else:
+                conn.transport.write(b"".join(lines))  # type: ignore[union-attr]  # a stream: the head goes now
         elif kind == "http.response.body":
             if not self.response_started or self.response_complete:
                 raise RuntimeError("response body outside a response")
             body = message.get("body", b"")
             more = message.get("more_body", False)
             transport = conn.transport
+            if self.held_head:
+                head, self.held_head = self.held_head, b""
+                if body and not self.head_only and len(body) <= 65536:
+                    body = head + body
+                else:
+                    transport.write(head)  # type: ignore[union-attr]
             if self.head_only:
                 pass
             elif self.chunked:
