@@ -8,30 +8,29 @@ shut-down (after uvicorn has drained in-flight requests) stops them.
 from __future__ import annotations
 
 import logging
-import time
+import os
+from pathlib import Path
 from typing import Any
 
-from prometheus_client import generate_latest
-
-from . import metrics
 from .config import GatewayConfig
-from .errors import Refusal
-from .filters import RequestContext
 from .filters.auth import ApiKeyAuth
 from .filters.body import BodyPolicy
+from .filters.cors import CorsPolicy
 from .filters.limits import RateLimit
 from .filters.media import MediaPolicy
 from .filters.paths import PathPolicy
-from .listener import Listener, Send, send_json
+from .listener import Listener
+from .local_routes import LocalRoutes
 from .routing.balancer import make_balancer
 from .routing.pool import Backend, BackendPool
 from .routing.router import Router
 from .routing.signals import MetricsScraper
+from .state import make_store
+from .state.reload import KeysFileWatcher
+from .tracing import Tracing
 from .upstream import Upstream, make_client, make_upstream
 
 log = logging.getLogger("gateway")
-
-METRICS_FORBIDDEN = Refusal(403, "This API key may not read the gateway's metrics (it needs `admin: true`).", "not_admin", code="permission_denied")
 
 
 class Gateway:
@@ -41,10 +40,15 @@ class Gateway:
         self.balancer = make_balancer(config.balancer.policy, config.balancer)
         self.scraper: MetricsScraper | None = None
         self.paths = PathPolicy()
-        self.auth = ApiKeyAuth(config.auth)
-        self.limits = RateLimit(config.auth)
+        self.store = make_store(config)  # keys, limits, usage, shared load (gateway/state)
+        self.keys_file = KeysFileWatcher(config.auth, self.store.keys)
+        self.auth = ApiKeyAuth(config.auth, self.store.keys)
+        self.limits = RateLimit(self.store)
         self.body = BodyPolicy(config.limits)
         self.media = MediaPolicy(config.media)
+        self.local = LocalRoutes(self.pool)
+        self.cors = CorsPolicy(config.server.cors) if config.server.cors.enabled else None
+        self.tracing = Tracing(config.tracing)
         self.upstream: Upstream | None = None
         self.control_client: Any = None
         # The upstream client needs a running loop: startup() gives the router its client.
@@ -65,14 +69,31 @@ class Gateway:
 
     def asgi(self) -> Listener:
         if self._listener is None:
-            self._listener = Listener(self)
+            self._listener = Listener(
+                paths=self.paths,
+                auth=self.auth,
+                limits=self.limits,
+                body=self.body,
+                media=self.media,
+                local=self.local,
+                router=self.router,
+                max_body=self.config.limits.max_body_bytes,
+                max_upload_per_key=self.config.limits.max_upload_bytes_per_key,
+                access_log=self.config.server.access_log,
+                startup=self.startup,
+                shutdown=self.shutdown,
+                cors=self.cors,
+                tracer=self.tracing,
+            )
         return self._listener
 
     async def startup(self) -> None:
         if self.config.auth.disabled:
             log.warning("AUTHENTICATION IS DISABLED (auth.disabled: true): anyone who can reach this port can use every backend")
+        await self.store.start()
+        self.keys_file.start()
         up = self.config.upstream
-        self.upstream = make_upstream(up.transport, self.config.timeouts, up.max_connections)
+        self.upstream = make_upstream(up.transport, self.config.timeouts, up.max_connections, up)
         self.router.upstream = self.upstream
         self.control_client = make_client(self.config.timeouts)  # health checks and metrics scraping
         self.pool.start(self.control_client)
@@ -84,7 +105,9 @@ class Gateway:
         if self.config.launch:
             from .launcher import Launcher  # imported lazily: a gateway with only remote backends needs none of it
 
-            self.launcher = Launcher(self.config.launch, self.pool)
+            log_dir = os.environ.get("LMDEPLOY_GATEWAY_LOG_DIR") or Path(self.config.state_dir) / "logs"
+            self.launcher = Launcher(self.config.launch, self.pool, log_dir=log_dir)
+            self.local.launcher = self.launcher
             await self.launcher.start()
         await self.pool.check_all()
         log.info("gateway started: %d backend(s) configured, %d healthy", len(self.pool), sum(1 for b in self.pool if b.healthy))
@@ -95,46 +118,10 @@ class Gateway:
         if self.scraper is not None:
             await self.scraper.stop()
         await self.pool.stop()
+        await self.keys_file.stop()
+        await self.store.close()
         if self.upstream is not None:
             await self.upstream.aclose()
         if self.control_client is not None:
             await self.control_client.aclose()
-
-    # -- routes answered by the gateway itself ----------------------------------------------------
-    async def answer_local(self, ctx: RequestContext, send: Send) -> int:
-        """Routes the gateway answers itself; returns the status sent."""
-        kind = ctx.route.kind
-        if kind == "health":
-            await send_json(send, 200, {"status": "ok"})
-            return 200
-        elif kind == "ready":
-            healthy = sum(1 for b in self.pool if b.available(_now()))
-            status = {"status": "ready" if healthy else "not_ready", "healthy_backends": healthy, "backends": len(self.pool)}
-            if self.launcher is not None:
-                status["failed_instances"] = self.launcher.failed_count()
-            await send_json(send, 200 if healthy else 503, status)
-            return 200 if healthy else 503
-        elif kind == "models":
-            models = sorted(m for m in self.pool.healthy_models() if ctx.key is None or ctx.key.models is None or m in ctx.key.models)
-            await send_json(
-                send,
-                200,
-                {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "lmdeploy-gateway"} for m in models]},
-            )
-            return 200
-        elif kind == "metrics":
-            if ctx.key is not None and not ctx.key.admin:
-                return await self.asgi()._refuse(send, METRICS_FORBIDDEN, "openai")
-            for b in self.pool:
-                metrics.IN_FLIGHT.labels(backend=b.id).set(b.in_flight)
-                metrics.BACKEND_HEALTHY.labels(backend=b.id).set(1 if b.available(_now()) else 0)
-            if self.launcher is not None and hasattr(self.launcher, "update_metrics"):
-                self.launcher.update_metrics()
-            body = generate_latest(metrics.REGISTRY)
-            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain; version=0.0.4")]})
-            await send({"type": "http.response.body", "body": body, "more_body": False})
-            return 200
-        raise AssertionError(f"no local handler for {kind!r}")
-
-
-_now = time.monotonic
+        self.tracing.shutdown()

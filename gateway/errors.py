@@ -66,6 +66,17 @@ class Refusal:
         )
 
 
+def model_not_found(model: str) -> Refusal:
+    """404 for a model that does not exist or that the caller's key may not use (the same answer for both)."""
+    return Refusal(
+        404,
+        f"The model {model[:128]!r} does not exist or you do not have access to it.",
+        "model_not_found",
+        param="model",
+        code="model_not_found",
+    )
+
+
 def sse_error_event(message: str, style: str = "openai", kind: str = "server_error") -> bytes:
     """A final SSE event telling a streaming client that the stream broke after it started."""
     if style == "anthropic":
