@@ -5,13 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from .answers import error_response
 from .limits import ServerLimits
-from .protocol import error_response
 
-if TYPE_CHECKING:
-    from .protocol import HttpConnection
+HttpConnection = Any  # protocol.HttpConnection; not imported, so neither module imports the other
 
 log = logging.getLogger("gateway.server")
 

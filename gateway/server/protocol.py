@@ -30,7 +30,8 @@ import urllib.parse
 from typing import TYPE_CHECKING, Any, Callable
 
 import httptools
-import orjson
+
+from .answers import STATUS_PHRASES, error_response
 
 if TYPE_CHECKING:
     from .connections import Connections
@@ -39,23 +40,6 @@ log = logging.getLogger("gateway.server")
 
 BODY_HIGH_WATER = 256 * 1024  # body bytes buffered for the app before we stop reading the socket
 HEAD_ERROR_LINGER = 1 << 20  # bytes drained after refusing a head: it was not a body we promised to read
-_STATUS_PHRASES = {
-    100: b"Continue", 200: b"OK", 201: b"Created", 204: b"No Content", 304: b"Not Modified",
-    400: b"Bad Request", 401: b"Unauthorized", 403: b"Forbidden", 404: b"Not Found", 405: b"Method Not Allowed",
-    408: b"Request Timeout", 413: b"Payload Too Large", 414: b"URI Too Long", 415: b"Unsupported Media Type",
-    429: b"Too Many Requests", 431: b"Request Header Fields Too Large", 499: b"Client Closed Request",
-    500: b"Internal Server Error", 502: b"Bad Gateway", 503: b"Service Unavailable", 504: b"Gateway Timeout",
-}
-_ERROR_TYPES = {408: "timeout_error", 503: "server_error"}
-
-
-def error_response(status: int, message: str, code: str, extra: bytes = b"") -> bytes:
-    """A complete HTTP/1.1 response in the OpenAI error shape that ends the connection."""
-    body = orjson.dumps({"error": {"message": message, "type": _ERROR_TYPES.get(status, "invalid_request_error"), "param": None, "code": code}})
-    return b"".join((
-        b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n" % (status, _STATUS_PHRASES.get(status, b""), len(body)),
-        extra, b"\r\n", body,
-    ))
 
 
 class _Refused(Exception):
@@ -508,7 +492,7 @@ class RequestCycle:
             self.response_started = True
             self.expect_continue = False
             status = message["status"]
-            lines = [b"HTTP/1.1 %d %s\r\n" % (status, _STATUS_PHRASES.get(status, b""))]
+            lines = [b"HTTP/1.1 %d %s\r\n" % (status, STATUS_PHRASES.get(status, b""))]
             has_length = False
             close = not self.keep_alive or conn.closing_after_response or self.more_body
             for name, value in message.get("headers", ()):
