@@ -442,3 +442,37 @@ def test_busy_flood_at_the_cap_gets_503_then_clears(gw):
             s.close()
     wait_until(lambda: gw.fds() < 40, 5, 0.05, "connections closed")
     gw.assert_responsive()
+
+
+def test_per_key_cap_on_bytes_being_uploaded_at_once(gw, keys):
+    # limits.max_upload_bytes_per_key is 128 MiB: four 30 MiB uploads in progress fit, a fifth does not.
+    uploads = []
+    try:
+        for _ in range(4):
+            s = gw.connect()
+            s.sendall(post_head(keys.alice, 30 * MIB) + b'{"model": "test-model", ')
+            uploads.append(s)
+        gw.assert_responsive()  # the four are being read: their grants are taken by now
+        with gw.connect() as s:
+            s.sendall(post_head(keys.alice, 30 * MIB) + b'{"model": "test-model", ')
+            reply = read_all(s)
+        assert status_of(reply) == 429 and error_code(reply) == "rate_limit_exceeded" and b"retry-after: 1" in reply.lower()
+        assert b"being uploaded at once" in reply
+        # Another key's budget is its own.
+        body = orjson.dumps({"model": "allowed-model", "messages": [{"role": "user", "content": "hi"}]})
+        with gw.connect() as s:
+            s.sendall(post_head(keys.bob, len(body)) + body)
+            reply = read_all(s)
+        assert status_of(reply) != 429
+    finally:
+        for s in uploads:
+            s.close()
+    # The budget comes back when the uploads end (here: their clients left).
+    body = orjson.dumps({"model": "nope", "messages": []})
+
+    def freed() -> bool:
+        with gw.connect() as s:
+            s.sendall(post_head(keys.alice, len(body), extra=b"Connection: close\r\n") + body)
+            return status_of(read_all(s)) != 429
+
+    wait_until(freed, 5, 0.05, "the upload budget released")
