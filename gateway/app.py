@@ -78,6 +78,7 @@ class Gateway:
                 local=self.local,
                 router=self.router,
                 max_body=self.config.limits.max_body_bytes,
+                max_upload_per_key=self.config.limits.max_upload_bytes_per_key,
                 access_log=self.config.server.access_log,
                 startup=self.startup,
                 shutdown=self.shutdown,

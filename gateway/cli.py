@@ -40,8 +40,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = _load(args.config)
     if cfg is None:
         return EXIT_CONFIG
-    import uvicorn
-
     from .app import Gateway
 
     from . import logs
@@ -51,6 +49,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cfg = dataclasses.replace(cfg, state_dir=args.state_dir)
     host = args.host or cfg.server.host
     port = args.port if args.port is not None else cfg.server.port
+    if cfg.server.http == "uvicorn":
+        return _serve_uvicorn(cfg, host, port)
+    from . import server
+
+    # Bind before start-up: a busy port is reported at once, before any backend is launched.
+    try:
+        sockets = [server.bind(host, port)]
+    except server.PortBusy as exc:
+        print(f"gateway: {exc}", file=sys.stderr)
+        return 1
+    gateway = Gateway(cfg)
+    return server.run(gateway.asgi(), cfg.server, drain=cfg.timeouts.drain, host=host, port=port, sockets=sockets)
+
+
+def _serve_uvicorn(cfg: GatewayConfig, host: str, port: int) -> int:
+    """uvicorn, kept only to be measured against (bench/overhead.py): it enforces none of server.max_*."""
+    import uvicorn
+
+    from .app import Gateway
+
     gateway = Gateway(cfg)
     config = uvicorn.Config(
         gateway.asgi(),
@@ -63,6 +81,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log_level=cfg.server.log_level,
         log_config=None,  # uvicorn's lines go through our handler (and format) too
         timeout_graceful_shutdown=int(cfg.timeouts.drain) or None,
+        timeout_keep_alive=int(cfg.server.keepalive_timeout) or 1,
         server_header=False,
         date_header=False,
         proxy_headers=False,

@@ -26,6 +26,7 @@ from . import logs, metrics, tracing
 from .errors import Refusal, model_not_found
 from .filters import RequestContext
 from .filters.auth import ApiKeyAuth, key_id, model_allowed
+from .filters.uploads import UPLOAD_BUSY, UploadBudget, UploadGrant
 from .filters.body import BodyPolicy
 from .filters.cors import CorsPolicy
 from .filters.limits import RateLimit
@@ -84,6 +85,7 @@ class Listener:
         local: LocalRoutes,
         router: Router,
         max_body: int,
+        max_upload_per_key: int = 128 * 1024 * 1024,
         access_log: bool = False,
         startup: Lifecycle | None = None,
         shutdown: Lifecycle | None = None,
@@ -99,6 +101,7 @@ class Listener:
         self.local = local
         self.router = router
         self.max_body = max_body
+        self.uploads = UploadBudget(max_upload_per_key)  # body bytes being received at once, per key
         self.access_log = access_log
         self._startup = startup
         self._shutdown = shutdown
@@ -222,11 +225,18 @@ class Listener:
         if isinstance(resolved, Refusal):
             return resolved
         headers: dict[bytes, bytes] = {}
+        repeated: dict[bytes, list[bytes]] | None = None
         for name, value in scope["headers"]:
             if name in headers:
-                headers[name] += b"\x00" + value  # marks a repeated header; auth and body refuse those
+                # Joined once at the end (linear); b"\x00" marks a repeated header, which auth and body refuse.
+                if repeated is None:
+                    repeated = {}
+                repeated.setdefault(name, [headers[name]]).append(value)
             else:
                 headers[name] = value
+        if repeated:
+            for name, values in repeated.items():
+                headers[name] = b"\x00".join(values)
         return RequestContext(scope, resolved, headers)
 
     async def _run(self, ctx: RequestContext, receive: Receive, send: Send) -> int:
@@ -238,14 +248,24 @@ class Listener:
         if refusal is None:
             refusal = self.body.check_headers(ctx)
         if refusal is not None:
-            # The body was never read: close the connection rather than drain it for the client.
+            # The body was never read: the connection ends after the answer (the server drains what
+            # the client still sends, bounded, so a client that writes its body first reads this).
             return await self._refuse(ctx, send, refusal, close=_has_body(ctx))
+        grant = self.uploads.grant(ctx)
+        if grant is None:
+            return await self._refuse(ctx, send, UPLOAD_BUSY, close=True)
         try:
-            raw = await self._read_body(receive)
+            return await self._run_body(ctx, grant, receive, send)
+        finally:
+            grant.release()  # the body is held until the request is over
+
+    async def _run_body(self, ctx: RequestContext, grant: UploadGrant, receive: Receive, send: Send) -> int:
+        try:
+            raw = await self._read_body(receive, grant)
         except _ClientGone:
             return 499
-        if raw is None:
-            return await self._refuse(ctx, send, self.body.too_large, close=True)
+        if isinstance(raw, Refusal):
+            return await self._refuse(ctx, send, raw, close=True)
         refusal = _check(ctx, "filter.body", lambda ctx: self.body.parse(ctx, raw))
         if refusal is None and not model_allowed(ctx.key, ctx.model or ""):
             refusal = model_not_found(ctx.model or "")
@@ -272,14 +292,16 @@ class Listener:
         ctx.refusal = refusal.reason
         return await refuse(send, refusal, ctx.style, close=close)
 
-    async def _read_body(self, receive: Receive) -> bytes | None:
-        """The whole body, or None once it passes the size cap (we stop reading there)."""
+    async def _read_body(self, receive: Receive, grant: UploadGrant) -> bytes | Refusal:
+        """The whole body, or a refusal once it passes the size cap or the key's upload budget (we stop reading there)."""
         first = await receive()
         if first["type"] != "http.request":
             raise _ClientGone()
         body = first.get("body", b"")
         if not first.get("more_body", False):
-            return body if len(body) <= self.max_body else None
+            if len(body) > self.max_body:
+                return self.body.too_large
+            return body if grant.grow(len(body)) else UPLOAD_BUSY
         parts = [body]
         size = len(body)
         while True:
@@ -289,7 +311,9 @@ class Listener:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body:
-                return None
+                return self.body.too_large
+            if not grant.grow(size):
+                return UPLOAD_BUSY
             parts.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(parts)
