@@ -8,11 +8,14 @@ shut-down (after uvicorn has drained in-flight requests) stops them.
 from __future__ import annotations
 
 import logging
+import os
+from pathlib import Path
 from typing import Any
 
 from .config import GatewayConfig
 from .filters.auth import ApiKeyAuth
 from .filters.body import BodyPolicy
+from .filters.cors import CorsPolicy
 from .filters.limits import RateLimit
 from .filters.media import MediaPolicy
 from .filters.paths import PathPolicy
@@ -24,6 +27,7 @@ from .routing.router import Router
 from .routing.signals import MetricsScraper
 from .state import make_store
 from .state.reload import KeysFileWatcher
+from .tracing import Tracing
 from .upstream import Upstream, make_client, make_upstream
 
 log = logging.getLogger("gateway")
@@ -43,6 +47,8 @@ class Gateway:
         self.body = BodyPolicy(config.limits)
         self.media = MediaPolicy(config.media)
         self.local = LocalRoutes(self.pool)
+        self.cors = CorsPolicy(config.server.cors) if config.server.cors.enabled else None
+        self.tracing = Tracing(config.tracing)
         self.upstream: Upstream | None = None
         self.control_client: Any = None
         # The upstream client needs a running loop: startup() gives the router its client.
@@ -75,6 +81,8 @@ class Gateway:
                 access_log=self.config.server.access_log,
                 startup=self.startup,
                 shutdown=self.shutdown,
+                cors=self.cors,
+                tracer=self.tracing,
             )
         return self._listener
 
@@ -84,7 +92,7 @@ class Gateway:
         await self.store.start()
         self.keys_file.start()
         up = self.config.upstream
-        self.upstream = make_upstream(up.transport, self.config.timeouts, up.max_connections)
+        self.upstream = make_upstream(up.transport, self.config.timeouts, up.max_connections, up)
         self.router.upstream = self.upstream
         self.control_client = make_client(self.config.timeouts)  # health checks and metrics scraping
         self.pool.start(self.control_client)
@@ -96,7 +104,8 @@ class Gateway:
         if self.config.launch:
             from .launcher import Launcher  # imported lazily: a gateway with only remote backends needs none of it
 
-            self.launcher = Launcher(self.config.launch, self.pool)
+            log_dir = os.environ.get("LMDEPLOY_GATEWAY_LOG_DIR") or Path(self.config.state_dir) / "logs"
+            self.launcher = Launcher(self.config.launch, self.pool, log_dir=log_dir)
             self.local.launcher = self.launcher
             await self.launcher.start()
         await self.pool.check_all()
@@ -114,3 +123,4 @@ class Gateway:
             await self.upstream.aclose()
         if self.control_client is not None:
             await self.control_client.aclose()
+        self.tracing.shutdown()

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import dataclasses
+import os
 import sys
 
 from .config import ConfigError, GatewayConfig, load_config
@@ -42,11 +44,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from .app import Gateway
 
-    logging.basicConfig(
-        level=cfg.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
-    for noisy in ("httpx", "httpcore"):  # one line per health probe otherwise
-        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
+    from . import logs
+
+    logs.configure(cfg.log.format, cfg.server.log_level)
+    if args.state_dir:
+        cfg = dataclasses.replace(cfg, state_dir=args.state_dir)
     host = args.host or cfg.server.host
     port = args.port if args.port is not None else cfg.server.port
     gateway = Gateway(cfg)
@@ -59,6 +61,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         lifespan="on",
         access_log=False,  # ours (server.access_log) names keys by id and never logs query strings
         log_level=cfg.server.log_level,
+        log_config=None,  # uvicorn's lines go through our handler (and format) too
         timeout_graceful_shutdown=int(cfg.timeouts.drain) or None,
         server_header=False,
         date_header=False,
@@ -94,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", "-c", required=True, help="YAML config file")
     p.add_argument("--host", default=None, help="override server.host")
     p.add_argument("--port", type=int, default=None, help="override server.port")
+    p.add_argument("--state-dir", default=None, help="override state_dir: where launched instances' logs go (must be writable)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("check-config", help="validate a config file exactly as serve does, and exit")

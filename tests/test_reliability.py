@@ -206,6 +206,6 @@ def test_access_log_escapes_client_text(keys, caplog):
     with gateway_with_sims(keys, 1, server={"access_log": True}) as (gw, _):
         httpx.post(gw.url + "/v1/chat/completions", headers={"authorization": f"Bearer {keys.alice}"},
                    json={"model": "x\n2026 FORGED", "messages": []})
-    lines = [r.getMessage() for r in caplog.records if r.name == "gateway.listener"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "gateway.access"]
     assert lines and all("\n" not in line for line in lines)
     assert any("x\\n2026 FORGED" in line for line in lines)

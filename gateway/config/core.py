@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import yaml
 
+from ..media.url import DomainSet
 from .fields import ConfigError, Problems, Section
+from .media import read_domain_set
+from .operate import CorsConfig, read_cors
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -36,6 +39,7 @@ class ServerConfig:
     port: int = 8080
     log_level: str = "info"
     access_log: bool = False
+    cors: CorsConfig = CorsConfig()
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,12 @@ class ApiKeyConfig:
     expires_at: float | None = None  # unix time; refused from then on
     disabled: bool = False  # revoked: kept for the record, refused
     created_at: float | None = None
+    # media_allowed_domains parsed once (gateway/media/url.py); a bad entry raises ValueError here
+    media_domains: DomainSet | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.media_domains is None and self.media_allowed_domains is not None:
+            object.__setattr__(self, "media_domains", DomainSet.parse(self.media_allowed_domains))
 
     @property
     def limited(self) -> bool:
@@ -79,6 +89,8 @@ class BackendConfig:
 class LimitsConfig:
     max_body_bytes: int = 32 * 1024 * 1024
     max_json_depth: int = 32
+    max_json_values: int = 1_000_000  # Python objects cost 10x+ their JSON text: cap them before parsing
+    max_upload_bytes_per_key: int = 128 * 1024 * 1024  # request bodies being received at once, per key
     drop_fields: tuple[str, ...] = DEFAULT_DROP_FIELDS
 
 
@@ -94,6 +106,11 @@ class TimeoutsConfig:
 class UpstreamConfig:
     transport: str = "native"  # see gateway/upstream.py; the others are there to be measured against
     max_connections: int = 4096
+    # Backends are untrusted: what they send back is bounded (gateway/upstream.py).
+    max_response_bytes: int = 64 * 1024 * 1024  # a whole (non-streamed) response body
+    max_header_bytes: int = 64 * 1024  # status line and headers together
+    max_headers: int = 100
+    max_line_bytes: int = 4 * 1024 * 1024  # a streamed response: bytes without a newline
 
 
 @dataclass(frozen=True)
@@ -111,6 +128,7 @@ def read_server(s: Section) -> ServerConfig:
         port=s.int("port", d.port, min=0, max=65535),
         log_level=s.enum("log_level", LOG_LEVELS, d.log_level),
         access_log=s.bool("access_log", d.access_log),
+        cors=read_cors(s.section("cors")),
     )
     s.finish()
     return cfg
@@ -121,6 +139,10 @@ def _read_key(s: Section, index: int) -> ApiKeyConfig | None:
     digest = s.str("hash")
     models = s.str_list("models", None)
     media = s.str_list("media_allowed_domains", None)
+    media_domains = None
+    if media is not None:
+        owner = f" (key {name!r})"
+        media_domains = read_domain_set(media, lambda j: f"{s.where('media_allowed_domains')}[{j}]", s, owner)
     rpm = s.int("rate_limit_rpm", None, min=1)
     admin = s.bool("admin", False)
     tpm = s.int("rate_limit_tpm", None, min=1)
@@ -146,7 +168,8 @@ def _read_key(s: Section, index: int) -> ApiKeyConfig | None:
         name=name,
         hash=norm,
         models=tuple(models) if models is not None else None,
-        media_allowed_domains=tuple(media) if media is not None else None,
+        media_allowed_domains=media_domains.texts if media_domains is not None else None,
+        media_domains=media_domains,
         rate_limit_rpm=rpm,
         admin=admin,
         rate_limit_tpm=tpm,
@@ -248,6 +271,8 @@ def read_backends(root: Section) -> tuple[BackendConfig, ...]:
     out = []
     seen = set()
     for sub in root.sections("backends"):
+        if sub.has("discover"):  # read by config.operate.read_discovery
+            continue
         url = sub.str("url")
         api_key = sub.str("api_key", None)
         models = sub.str_list("models", None)
@@ -271,6 +296,8 @@ def read_limits(s: Section) -> LimitsConfig:
     cfg = LimitsConfig(
         max_body_bytes=s.int("max_body_bytes", d.max_body_bytes, min=1024, max=1 << 31),
         max_json_depth=s.int("max_json_depth", d.max_json_depth, min=4, max=512),
+        max_json_values=s.int("max_json_values", d.max_json_values, min=1000, max=100_000_000),
+        max_upload_bytes_per_key=s.int("max_upload_bytes_per_key", d.max_upload_bytes_per_key, min=1024, max=1 << 40),
         drop_fields=tuple(s.str_list("drop_fields", d.drop_fields)),
     )
     s.finish()
@@ -302,7 +329,7 @@ def read_health(s: Section) -> HealthConfig:
 
 
 
-TRANSPORTS = ("native", "aiohttp", "httpx-aiohttp", "httpx")
+TRANSPORTS = ("native", "aiohttp")  # gateway/upstream.py says why the httpx ones were dropped
 
 
 def read_upstream(s: Section) -> UpstreamConfig:
@@ -310,6 +337,10 @@ def read_upstream(s: Section) -> UpstreamConfig:
     cfg = UpstreamConfig(
         transport=s.enum("transport", TRANSPORTS, d.transport),
         max_connections=s.int("max_connections", d.max_connections, min=1, max=1 << 20),
+        max_response_bytes=s.int("max_response_bytes", d.max_response_bytes, min=1024, max=1 << 34),
+        max_header_bytes=s.int("max_header_bytes", d.max_header_bytes, min=1024, max=1 << 24),
+        max_headers=s.int("max_headers", d.max_headers, min=8, max=10000),
+        max_line_bytes=s.int("max_line_bytes", d.max_line_bytes, min=1024, max=1 << 30),
     )
     s.finish()
     return cfg
