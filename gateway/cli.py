@@ -51,7 +51,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cfg = dataclasses.replace(cfg, state_dir=args.state_dir)
     host = args.host or cfg.server.host
     port = args.port if args.port is not None else cfg.server.port
+    if args.workers != 1 and args.worker_index is None:  # the parent of --workers N: supervises only
+        from .workers import supervise
+
+        return supervise(args, cfg, host, port)
+    sock = None
+    if args.worker_index is not None:  # one of N workers: its own SO_REUSEPORT socket on the shared port
+        from .workers import worker_setup
+
+        cfg, sock = worker_setup(cfg, args.worker_index, host, port)
     gateway = Gateway(cfg)
+    gateway.follow_backends = bool(args.worker_index)  # workers > 0 learn launched backends from worker 0
     config = uvicorn.Config(
         gateway.asgi(),
         host=host,
@@ -69,7 +79,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     server = uvicorn.Server(config)
     try:
-        server.run()
+        server.run(sockets=[sock] if sock is not None else None)
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its clean shutdown
         return 130
     return 0 if server.started else 1
@@ -98,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=None, help="override server.host")
     p.add_argument("--port", type=int, default=None, help="override server.port")
     p.add_argument("--state-dir", default=None, help="override state_dir: where launched instances' logs go (must be writable)")
+    p.add_argument("--workers", type=int, default=1, help="processes serving the port (needs state.redis_url when more than 1)")
+    p.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("check-config", help="validate a config file exactly as serve does, and exit")

@@ -42,6 +42,7 @@ class Backend:
     consecutive_failures: int = 0
     returned_at: float = 0.0  # when it last came back from ejection or unhealth: the balancer ramps it up slowly
     in_flight: int = 0
+    remote_in_flight: int = 0  # in flight through the other gateway replicas (the shared state store sums them)
     # Free-form per-backend state owned by the balancer (EWMAs, reservations, scraped metrics).
     stats: dict[str, Any] = field(default_factory=dict)
 

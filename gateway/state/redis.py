@@ -196,6 +196,8 @@ class RedisStore(StateStore):
         self.synced = asyncio.Event()  # the first full key load is done
         self.load: dict[str, int] = {}  # backend id -> in-flight summed over the other replicas
         self.local_load: Any = None  # callable returning this replica's {backend id: in flight}
+        self.on_load: Any = None  # called with the other replicas' summed {backend id: in flight}
+        self.handlers: dict[str, Any] = {}  # extra pub/sub channel -> callable(data) (see cluster.py)
 
     # -- plumbing ------------------------------------------------------------------------------
     async def _call(self, op: str, aw: Awaitable[T]) -> T:
@@ -308,7 +310,7 @@ class RedisStore(StateStore):
         while not self._closing:
             pubsub = self.r.pubsub()
             try:
-                await asyncio.wait_for(pubsub.subscribe(self.channel), self.cfg.timeout * 2)
+                await asyncio.wait_for(pubsub.subscribe(self.channel, *self.handlers), self.cfg.timeout * 2)
                 # Subscribed first, then loaded: a change made in between is in the load or in a message.
                 await self._call("sync_keys", self.sync_keys())
                 backoff = 0.1
@@ -316,6 +318,13 @@ class RedisStore(StateStore):
                     msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.2)
                     if msg is not None and msg.get("type") == "message":
                         data = msg["data"]
+                        ch = msg.get("channel")
+                        ch = ch.decode() if isinstance(ch, bytes) else ch
+                        if ch != self.channel:
+                            handler = self.handlers.get(ch)
+                            if handler is not None:
+                                handler(data)
+                            continue
                         digest = data.decode() if isinstance(data, bytes) else str(data)
                         if digest.startswith("sha256:") and len(digest) == 71:
                             await self._refresh_one(digest)
@@ -505,6 +514,8 @@ class RedisStore(StateStore):
             self.load = total
         else:
             self.load = {}
+        if self.on_load is not None:
+            self.on_load(self.load)
         was_degraded = self.degraded
         self._mark_up()
         if was_degraded:
