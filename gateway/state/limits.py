@@ -70,13 +70,14 @@ def period_seconds_left(period: str, now: float | None = None) -> int:
 
 
 def _duration(ms: float) -> bytes:
+    """OpenAI's reset format: 250ms, 1.5s, 6m0s."""
     ms = max(0.0, ms)
     if ms < 1000:
         return f"{int(math.ceil(ms))}ms".encode()
-    s = ms / 1000
-    if s < 60:
-        return f"{s:.3g}s".encode()
-    return f"{int(s // 60)}m{int(s % 60)}s".encode()
+    t = round(ms / 1000, 1)
+    if t < 60:
+        return f"{t:g}s".encode()
+    return f"{int(t // 60)}m{round(t % 60, 1):g}s".encode()
 
 
 def rate_headers(key: ApiKeyConfig, d: Decision, share: int = 1) -> list[tuple[bytes, bytes]]:
