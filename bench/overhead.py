@@ -221,14 +221,6 @@ def main() -> None:
             with stack:
                 if target == "direct":
                     url, k = f"http://127.0.0.1:{backend_port}/v1/chat/completions", None
-                elif target.startswith("gateway"):
-                    transport = target[len("gateway["):-1] if "[" in target else "native"
-                    port = free_port()
-                    cfg = tmp / f"{transport}.yaml"
-                    gateway_config(cfg, backend_port, hash_key(key), transport)
-                    pid = stack.enter_context(process([sys.executable, "-m", "gateway", "serve", "--config", str(cfg), "--port", str(port)])).pid
-                    wait_http(f"http://127.0.0.1:{port}/ready")
-                    url, k = f"http://127.0.0.1:{port}/v1/chat/completions", key
                 elif target.startswith("gateway+"):
                     variant = target[len("gateway+"):]
                     state = {} if variant == "memory" else {"redis_url": f"redis://127.0.0.1:{redis_port}/0", "prefix": "bench"}
@@ -237,7 +229,16 @@ def main() -> None:
                     gateway_config(cfg, backend_port, hash_key(key), "native", state=state)
                     workers = ["--workers", "2"] if variant.endswith("-w2") else []
                     pid = stack.enter_context(process([sys.executable, "-m", "gateway", "serve", "--config", str(cfg), "--port", str(port), *workers])).pid
-                    wait_http(f"http://127.0.0.1:{port}/ready", timeout=60)
+                    for _ in range(20):  # fresh connections reach every worker: all of them must be up
+                        wait_http(f"http://127.0.0.1:{port}/ready", timeout=60)
+                    url, k = f"http://127.0.0.1:{port}/v1/chat/completions", key
+                elif target.startswith("gateway"):
+                    transport = target[len("gateway["):-1] if "[" in target else "native"
+                    port = free_port()
+                    cfg = tmp / f"{transport}.yaml"
+                    gateway_config(cfg, backend_port, hash_key(key), transport)
+                    pid = stack.enter_context(process([sys.executable, "-m", "gateway", "serve", "--config", str(cfg), "--port", str(port)])).pid
+                    wait_http(f"http://127.0.0.1:{port}/ready")
                     url, k = f"http://127.0.0.1:{port}/v1/chat/completions", key
                 elif target == "smg":
                     if not args.smg:
@@ -246,7 +247,8 @@ def main() -> None:
                     port = free_port()
                     pid = stack.enter_context(process([args.smg, "launch", "--backend", "vllm", "--disable-tokenizer-autoload",
                                                        "--worker-urls", f"http://127.0.0.1:{backend_port}", "--policy", "round_robin",
-                                                       "--host", "127.0.0.1", "--port", str(port)])).pid
+                                                       "--host", "127.0.0.1", "--port", str(port),
+                                                       "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--log-level", "warn"])).pid
                     wait_http(f"http://127.0.0.1:{port}/v1/models", timeout=60)
                     url, k = f"http://127.0.0.1:{port}/v1/chat/completions", None
                 elif target == "lmdeploy-proxy":

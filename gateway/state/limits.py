@@ -80,25 +80,35 @@ def _duration(ms: float) -> bytes:
     return f"{int(t // 60)}m{round(t % 60, 1):g}s".encode()
 
 
+_LIMIT_HEADERS: dict[tuple[int, int], tuple[tuple[bytes, bytes], ...]] = {}
+
+
 def rate_headers(key: ApiKeyConfig, d: Decision, share: int = 1) -> list[tuple[bytes, bytes]]:
     """The x-ratelimit-* headers the OpenAI SDK reads (only for the limits the key has)."""
-    out: list[tuple[bytes, bytes]] = []
-    rpm, tpm = key.rate_limit_rpm, key.rate_limit_tpm
-    if rpm:
-        left = max(0.0, d.requests_left)
-        out += [
+    rpm, tpm = key.rate_limit_rpm or 0, key.rate_limit_tpm or 0
+    fixed = _LIMIT_HEADERS.get((rpm, tpm))
+    if fixed is None:
+        fixed = _LIMIT_HEADERS[(rpm, tpm)] = (
             (b"x-ratelimit-limit-requests", str(rpm).encode()),
-            (b"x-ratelimit-remaining-requests", str(int(left)).encode()),
+            (b"x-ratelimit-limit-tokens", str(tpm).encode()),
+        )
+        if len(_LIMIT_HEADERS) > 10_000:  # bounded: limits come from keys, but keys can be edited live
+            _LIMIT_HEADERS.clear()
+    out: list[tuple[bytes, bytes]] = []
+    if rpm:
+        out += (
+            fixed[0],
+            (b"x-ratelimit-remaining-requests", b"%d" % max(0, d.requests_left)),
             (b"x-ratelimit-reset-requests", _duration(d.requests_reset_ms)),
-        ]
+        )
     if tpm:
         cap = max(1, tpm // share)
         left = max(0.0, d.tokens_left)
-        out += [
-            (b"x-ratelimit-limit-tokens", str(tpm).encode()),
-            (b"x-ratelimit-remaining-tokens", str(int(left)).encode()),
+        out += (
+            fixed[1],
+            (b"x-ratelimit-remaining-tokens", b"%d" % left),
             (b"x-ratelimit-reset-tokens", _duration((cap - left) * WINDOW_MS / cap)),
-        ]
+        )
     return out
 
 
@@ -188,9 +198,11 @@ class LocalLimiter:
                 return d
         if key.max_concurrent:
             leases = self._leases.setdefault(h, {})
-            for lid in [lid for lid, exp in leases.items() if exp <= now]:
-                del leases[lid]
-            if len(leases) >= max(1, key.max_concurrent // share):
+            cap = max(1, key.max_concurrent // share)
+            if len(leases) >= cap:  # only then is it worth dropping expired ones
+                for lid in [lid for lid, exp in leases.items() if exp <= now]:
+                    del leases[lid]
+            if len(leases) >= cap:
                 d.reason, d.retry_ms = "concurrency", 1000
                 return d
             leases[lease] = now + self._lease_ttl
