@@ -94,7 +94,7 @@ class Gateway:
         if self.store.shared:  # load, ejections and launched backends shared with the other replicas
             from .state.cluster import Cluster
 
-            self.cluster = Cluster(self.store, self.pool, publish_backends=bool(self.config.launch),  # type: ignore[arg-type]
+            self.cluster = Cluster(self.store, self.pool, Backend, publish_backends=bool(self.config.launch),  # type: ignore[arg-type]
                                    follow_backends=self.follow_backends)
             self.cluster.start()  # before the store starts: it subscribes to the cluster's channel too
         await self.store.start()

@@ -18,7 +18,6 @@ from typing import Any
 
 import orjson
 
-from ..routing.pool import Backend, BackendPool
 from .redis import RedisStore
 
 log = logging.getLogger("gateway.state.cluster")
@@ -28,9 +27,11 @@ DIRECTORY_TTL_MS = 5000
 
 
 class Cluster:
-    def __init__(self, store: RedisStore, pool: BackendPool, *, publish_backends: bool, follow_backends: bool) -> None:
+    def __init__(self, store: RedisStore, pool: Any, make_backend: Any, *, publish_backends: bool, follow_backends: bool) -> None:
+        """pool: the routing layer's BackendPool; make_backend: its Backend class (this layer sits below routing)."""
         self.store = store
         self.pool = pool
+        self.make_backend = make_backend
         self.publish_backends = publish_backends
         self.follow_backends = follow_backends
         self.events = f"{store.cfg.prefix}:events"
@@ -62,7 +63,7 @@ class Cluster:
             b.remote_in_flight = totals.get(b.id, 0)
 
     # -- ejection ----------------------------------------------------------------------------------
-    def _on_change(self, b: Backend) -> None:
+    def _on_change(self, b: Any) -> None:
         now = time.monotonic()
         if b.ejected_until > now and self._seen_ejections.get(b.id) != b.ejections:
             self._seen_ejections[b.id] = b.ejections
@@ -136,7 +137,7 @@ class Cluster:
             present.add(bid)
             b = self.pool.get(bid)
             if b is None:
-                self.pool.add(Backend(id=bid, url=url, api_key=api_key, models=models, static_models=True, origin="launched"))
+                self.pool.add(self.make_backend(id=bid, url=url, api_key=api_key, models=models, static_models=True, origin="launched"))
                 self._learned.add(bid)
                 log.info("backend %s learned from the launching process", bid)
             elif bid in self._learned and b.url != url:
