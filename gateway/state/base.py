@@ -72,9 +72,6 @@ class StateStore:
         raise NotImplementedError
 
     # -- limits ----------------------------------------------------------------------------------
-    def needs_admission(self, key: ApiKeyConfig | None) -> bool:
-        return key is not None and key.limited
-
     async def admit(self, key: ApiKeyConfig, model: str, prompt_estimate: int, max_tokens: int | None) -> Admission | Refusal:
         reserve = prompt_estimate + (max_tokens if max_tokens is not None else self.cfg.default_max_tokens) if key.rate_limit_tpm else 0
         lease = f"{self.replica}.{next(self._lease_ids)}" if key.max_concurrent else ""  # unique over replicas, no syscall
