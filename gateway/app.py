@@ -44,6 +44,8 @@ class Gateway:
         self.keys_file = KeysFileWatcher(config.auth, self.store.keys)
         self.auth = ApiKeyAuth(config.auth, self.store.keys)
         self.limits = RateLimit(self.store)
+        self.cluster: Any = None
+        self.follow_backends = False  # a worker that learns launched backends from the launching one (gateway/workers.py)
         self.body = BodyPolicy(config.limits)
         self.media = MediaPolicy(config.media)
         self.local = LocalRoutes(self.pool)
@@ -90,6 +92,12 @@ class Gateway:
     async def startup(self) -> None:
         if self.config.auth.disabled:
             log.warning("AUTHENTICATION IS DISABLED (auth.disabled: true): anyone who can reach this port can use every backend")
+        if self.store.shared:  # load, ejections and launched backends shared with the other replicas
+            from .state.cluster import Cluster
+
+            self.cluster = Cluster(self.store, self.pool, Backend, publish_backends=bool(self.config.launch),  # type: ignore[arg-type]
+                                   follow_backends=self.follow_backends)
+            self.cluster.start()  # before the store starts: it subscribes to the cluster's channel too
         await self.store.start()
         self.keys_file.start()
         up = self.config.upstream
@@ -119,6 +127,8 @@ class Gateway:
             await self.scraper.stop()
         await self.pool.stop()
         await self.keys_file.stop()
+        if self.cluster is not None:
+            await self.cluster.stop()
         await self.store.close()
         if self.upstream is not None:
             await self.upstream.aclose()

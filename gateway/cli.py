@@ -49,27 +49,44 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cfg = dataclasses.replace(cfg, state_dir=args.state_dir)
     host = args.host or cfg.server.host
     port = args.port if args.port is not None else cfg.server.port
+    if args.workers != 1 and args.worker_index is None:  # the parent of --workers N: supervises only
+        from .workers import supervise
+
+        return supervise(args, cfg, host, port)
     if cfg.server.http == "uvicorn":
-        return _serve_uvicorn(cfg, host, port)
+        return _serve_uvicorn(cfg, host, port, args.worker_index)
     from . import server
 
-    # Bind before start-up: a busy port is reported at once, before any backend is launched.
-    try:
-        sockets = [server.bind(host, port)]
-    except server.PortBusy as exc:
-        print(f"gateway: {exc}", file=sys.stderr)
-        return 1
+    if args.worker_index is not None:  # one of N workers: its own SO_REUSEPORT socket on the shared port
+        from .workers import worker_setup
+
+        cfg, sock = worker_setup(cfg, args.worker_index, host, port)
+        sockets = [sock]
+    else:
+        # Bind before start-up: a busy port is reported at once, before any backend is launched.
+        try:
+            sockets = [server.bind(host, port)]
+        except server.PortBusy as exc:
+            print(f"gateway: {exc}", file=sys.stderr)
+            return 1
     gateway = Gateway(cfg)
+    gateway.follow_backends = bool(args.worker_index)  # workers > 0 learn launched backends from worker 0
     return server.run(gateway.asgi(), cfg.server, drain=cfg.timeouts.drain, host=host, port=port, sockets=sockets)
 
 
-def _serve_uvicorn(cfg: GatewayConfig, host: str, port: int) -> int:
+def _serve_uvicorn(cfg: GatewayConfig, host: str, port: int, worker_index: int | None) -> int:
     """uvicorn, kept only to be measured against (bench/overhead.py): it enforces none of server.max_*."""
     import uvicorn
 
     from .app import Gateway
 
+    sock = None
+    if worker_index is not None:
+        from .workers import worker_setup
+
+        cfg, sock = worker_setup(cfg, worker_index, host, port)
     gateway = Gateway(cfg)
+    gateway.follow_backends = bool(worker_index)
     config = uvicorn.Config(
         gateway.asgi(),
         host=host,
@@ -88,7 +105,7 @@ def _serve_uvicorn(cfg: GatewayConfig, host: str, port: int) -> int:
     )
     server = uvicorn.Server(config)
     try:
-        server.run()
+        server.run(sockets=[sock] if sock is not None else None)
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its clean shutdown
         return 130
     return 0 if server.started else 1
@@ -117,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=None, help="override server.host")
     p.add_argument("--port", type=int, default=None, help="override server.port")
     p.add_argument("--state-dir", default=None, help="override state_dir: where launched instances' logs go (must be writable)")
+    p.add_argument("--workers", type=int, default=1, help="processes serving the port (needs state.redis_url when more than 1)")
+    p.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("check-config", help="validate a config file exactly as serve does, and exit")

@@ -2,11 +2,11 @@
 
     request line  -> PathPolicy        (canonical target, exact route match)
     headers       -> ApiKeyAuth        (before any body byte is read)
-                  -> RateLimit         (per key)
                   -> BodyPolicy        (content type, declared length)
     body          -> BodyPolicy.parse  (strict JSON, caps, engine knobs removed)
                   -> model access      (the key's model list)
                   -> MediaPolicy       (every media URL base64 or on an allowed domain)
+                  -> RateLimit         (per key: rpm, tpm, concurrency, budget; settled at the end)
                   -> Router            (balancer, upstream, relay)
 
 Every refusal is rendered in the route's error shape. No client header other than an allow-list

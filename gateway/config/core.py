@@ -182,7 +182,7 @@ def _read_key(s: Section, index: int) -> ApiKeyConfig | None:
     s.finish()
     if not KEY_NAME.match(name):
         s.error("name", f"{name[:40]!r} is not a valid key name; use 1-64 letters, digits, '.', '_', '-' or '@'")
-    if digest is None:
+    if not isinstance(digest, str):  # missing (already reported) or not a string
         return None
     norm = digest.strip().lower()
     if not _HASH.match(norm):
