@@ -23,6 +23,7 @@ from .filters.paths import PathPolicy
 from .listener import Listener
 from .local_routes import LocalRoutes, render_metrics
 from .routing.balancer import make_balancer
+from .routing.discovery import DnsDiscovery, Resolver, system_resolver
 from .routing.pool import Backend, BackendPool
 from .routing.router import Router
 from .routing.signals import MetricsScraper
@@ -33,7 +34,7 @@ log = logging.getLogger("gateway")
 
 
 class Gateway:
-    def __init__(self, config: GatewayConfig):
+    def __init__(self, config: GatewayConfig, *, resolver: Resolver | None = None):
         self.config = config
         self.pool = BackendPool(config.health)
         self.balancer = make_balancer(config.balancer.policy, config.balancer)
@@ -54,6 +55,7 @@ class Gateway:
         for b in static_backends(config):
             self.pool.add(b)
         self._listener: Listener | None = None
+        self.discovery = [DnsDiscovery(d, self.pool, resolver=resolver or system_resolver, on_removed=self._forget) for d in config.discover]
         self.config_path: str | None = config.source if config.source != "<memory>" else None  # what a reload re-reads
         self.stats: LiveStats | None = None
         self.admin: AdminApp | None = None
@@ -106,6 +108,9 @@ class Gateway:
             # Backend gauges (queue, running, KV use) for the policies that read them.
             self.scraper = MetricsScraper(lambda: self.pool, self.balancer.observe_signals, interval=interval, client=self.control_client)
             self.scraper.start()
+        for d in self.discovery:
+            await d.refresh()
+            d.start()
         if self.config.launch:
             from .launcher import Launcher  # imported lazily: a gateway with only remote backends needs none of it
 
@@ -121,6 +126,8 @@ class Gateway:
             await self.admin_server.stop()
         if self.launcher is not None:
             await self.launcher.stop(grace=10.0)
+        for d in self.discovery:
+            await d.stop()
         if self.scraper is not None:
             await self.scraper.stop()
         await self.pool.stop()
@@ -164,6 +171,10 @@ class Gateway:
         log.info("config reloaded from %s: %s", self.config_path, ", ".join(live) or "nothing changed",
                  extra={"fields": {"event": "config_reloaded", "applied": live}})
         return live
+
+    def _forget(self, backend_id: str) -> None:
+        if self.stats is not None:
+            self.stats.forget(backend_id)
 
     def _replace_static_backends(self, new: GatewayConfig) -> None:
         wanted = {b.id: b for b in static_backends(new)}
