@@ -27,6 +27,8 @@ from .routing.discovery import DnsDiscovery, Resolver, system_resolver
 from .routing.pool import Backend, BackendPool
 from .routing.router import Router
 from .routing.signals import MetricsScraper
+from .state import make_store
+from .state.reload import KeysFileWatcher
 from .tracing import Tracing
 from .upstream import Upstream, make_client, make_upstream
 
@@ -40,8 +42,10 @@ class Gateway:
         self.balancer = make_balancer(config.balancer.policy, config.balancer)
         self.scraper: MetricsScraper | None = None
         self.paths = PathPolicy()
-        self.auth = ApiKeyAuth(config.auth)
-        self.limits = RateLimit(config.auth)
+        self.store = make_store(config)  # keys, limits, usage, shared load (gateway/state)
+        self.keys_file = KeysFileWatcher(config.auth, self.store.keys)
+        self.auth = ApiKeyAuth(config.auth, self.store.keys)
+        self.limits = RateLimit(self.store)
         self.body = BodyPolicy(config.limits)
         self.media = MediaPolicy(config.media)
         self.local = LocalRoutes(self.pool)
@@ -94,8 +98,10 @@ class Gateway:
     async def startup(self) -> None:
         if self.config.auth.disabled:
             log.warning("AUTHENTICATION IS DISABLED (auth.disabled: true): anyone who can reach this port can use every backend")
+        await self.store.start()
+        self.keys_file.start()
         up = self.config.upstream
-        self.upstream = make_upstream(up.transport, self.config.timeouts, up.max_connections)
+        self.upstream = make_upstream(up.transport, self.config.timeouts, up.max_connections, up)
         self.router.upstream = self.upstream
         self.control_client = make_client(self.config.timeouts)  # health checks and metrics scraping
         self.pool.start(self.control_client)
@@ -131,6 +137,8 @@ class Gateway:
         if self.scraper is not None:
             await self.scraper.stop()
         await self.pool.stop()
+        await self.keys_file.stop()
+        await self.store.close()
         if self.upstream is not None:
             await self.upstream.aclose()
         if self.control_client is not None:

@@ -233,8 +233,6 @@ class Listener:
         """The chain for one routed request; returns the status the client got (499: it left)."""
         route = ctx.route
         refusal = _check(ctx, "filter.auth", self.auth.check)
-        if refusal is None and self.limits.active:
-            refusal = _check(ctx, "filter.rate_limit", self.limits.check)
         if refusal is None and not route.forward:
             return await self.local.answer(ctx, send)
         if refusal is None:
@@ -259,7 +257,16 @@ class Listener:
         payload = self.body.serialise(ctx.body)  # type: ignore[arg-type]
         if isinstance(payload, Refusal):
             return await self._refuse(ctx, send, payload)
-        return await self._forward(ctx, payload, receive, send)
+        with tracing.child(ctx, "filter.limits"):
+            admission = await self.limits.admit(ctx)  # per-key limits (state layer): one store call at most
+        if isinstance(admission, Refusal):
+            return await self._refuse(ctx, send, admission)
+        ctx.admission = admission
+        try:
+            return await self._forward(ctx, payload, receive, send)
+        finally:
+            if admission is not None:
+                self.limits.settle(admission, ctx.outcome)
 
     async def _refuse(self, ctx: RequestContext, send: Send, refusal: Refusal, close: bool = False) -> int:
         ctx.refusal = refusal.reason
@@ -298,7 +305,10 @@ class Listener:
         task = asyncio.current_task()
 
         async def send_tracked(message: dict[str, Any]) -> None:
-            if message["type"] == "http.response.body" and not message.get("more_body", False):
+            if message["type"] == "http.response.start":
+                if ctx.admission is not None and ctx.admission.headers:
+                    message["headers"] += ctx.admission.headers
+            elif not message.get("more_body", False):
                 state["done"] = True
             await send(message)
 

@@ -57,7 +57,7 @@ def test_enum_values_are_normalised_before_checking():
 
 def test_unknown_top_level_section_gets_a_did_you_mean():
     assert problems({**GOOD, "backend": []}) == [
-        "backend: unknown field (did you mean 'backends'?); valid fields: admin, auth, backends, balancer, health, launch, limits, log, media, server, state_dir, timeouts, tracing, upstream"
+        "backend: unknown field (did you mean 'backends'?); valid fields: admin, auth, backends, balancer, health, launch, limits, log, media, server, state, state_dir, timeouts, tracing, upstream"
     ]
 
 

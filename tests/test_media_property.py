@@ -23,7 +23,7 @@ import yarl
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from gateway.filters.media import MediaRefused, parse_media_url
+from gateway.media import MediaRefused, parse_media_url
 from test_media_policy import FLAC, JPEG, MP4, NPY, PDF, PNG, WAV, context, media_config, policy_for
 
 MAIN = media_config("main")

@@ -178,20 +178,16 @@ def test_rate_limited_key_gets_429_with_retry_after(keys):
 
 
 def test_token_bucket_refills_at_the_configured_rate():
-    from gateway.config import ApiKeyConfig, AuthConfig
-    from gateway.filters import RequestContext
-    from gateway.filters.limits import RateLimit
-    from gateway.routes import ROUTES
+    from gateway.config import ApiKeyConfig
+    from gateway.state.limits import LocalLimiter
 
     now = [0.0]
     key = ApiKeyConfig(name="k", hash="sha256:" + "0" * 64, rate_limit_rpm=60)
-    limit = RateLimit(AuthConfig(keys=(key,)), clock=lambda: now[0])
-    ctx = RequestContext({}, ROUTES[("POST", "/v1/chat/completions")], {})
-    ctx.key = key
-    assert all(limit.check(ctx) is None for _ in range(60))  # a full bucket: a burst of 60
-    assert limit.check(ctx).status == 429
+    limit = LocalLimiter(clock=lambda: now[0])
+    assert all(limit.admit(key, 0, "").ok for _ in range(60))  # a full bucket: a burst of 60
+    assert limit.admit(key, 0, "").reason == "rpm"
     now[0] += 1.0  # one token a second
-    assert limit.check(ctx) is None and limit.check(ctx) is not None
+    assert limit.admit(key, 0, "").ok and not limit.admit(key, 0, "").ok
 
 
 def test_the_app_scrapes_backend_metrics_for_the_balancer(keys):

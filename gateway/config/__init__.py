@@ -35,6 +35,7 @@ from .core import (
 from .fields import ConfigError, Problems, Section, expand_env
 from .launch import LaunchGroup, read_launch
 from .media import MediaConfig, read_media
+from .state import StateConfig, read_state
 from .operate import (
     DEFAULT_STATE_DIR,
     AdminConfig,
@@ -65,6 +66,7 @@ __all__ = [
     "LimitsConfig",
     "MediaConfig",
     "ServerConfig",
+    "StateConfig",
     "TimeoutsConfig",
     "UpstreamConfig",
     "load_config",
@@ -84,6 +86,7 @@ class GatewayConfig:
     upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
     balancer: BalancerConfig = field(default_factory=BalancerConfig)
     media: MediaConfig = field(default_factory=MediaConfig)
+    state: StateConfig = field(default_factory=StateConfig)
     log: LogConfig = field(default_factory=LogConfig)
     admin: AdminConfig = field(default_factory=AdminConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
@@ -107,7 +110,8 @@ def parse_config(data: Any, *, base_dir: Path | None = None, env: dict[str, str]
     health = read_health(root.section("health"))
     upstream = read_upstream(root.section("upstream"))
     balancer = read_balancer(root.section("balancer"))
-    media = read_media(root.section("media"), auth)
+    media = read_media(root.section("media"))
+    state = read_state(root.section("state"))
     log = read_log(root.section("log"))
     admin = read_admin(root.section("admin"), root.has("admin"))
     tracing = read_tracing(root.section("tracing"))
@@ -128,6 +132,7 @@ def parse_config(data: Any, *, base_dir: Path | None = None, env: dict[str, str]
         upstream=upstream,
         balancer=balancer,
         media=media,
+        state=state,
         log=log,
         admin=admin,
         tracing=tracing,

@@ -18,7 +18,7 @@ from ..routes import Route
 class RequestContext:
     """What the filters know about one request, filled in as it moves down the chain."""
 
-    __slots__ = ("scope", "route", "headers", "key", "body", "model", "style", "request_id", "backend", "outcome", "refusal", "span")
+    __slots__ = ("scope", "route", "headers", "key", "body", "model", "style", "admission", "request_id", "backend", "outcome", "refusal", "span")
 
     def __init__(self, scope: dict[str, Any], route: Route, headers: dict[bytes, bytes]):
         self.scope = scope
@@ -28,6 +28,7 @@ class RequestContext:
         self.body: dict[str, Any] | None = None
         self.model: str | None = None
         self.style = route.style
+        self.admission: Any = None  # the state layer's Admission, while limits and usage apply
         # Filled in on the way for the access log and the trace: never the body or the key.
         self.request_id = ""
         self.backend: str | None = None  # the backend that answered (the last one tried)

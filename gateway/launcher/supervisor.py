@@ -36,6 +36,7 @@ from .spawn import (
     LaunchError,
     instance_argv,
     instance_env,
+    launch_argv,
     plan_group,
     probe_devices,
     probe_lmdeploy,
@@ -323,21 +324,34 @@ class Launcher:
         g = inst.group
         avoid = {i.port for i in self.instances if i is not inst and i.port is not None}
         inst.port = process.pick_port(avoid, prefer=inst.port)
-        argv = instance_argv(inst.plan, inst.port, self.backend_key)
         env = instance_env(inst.plan, inst.devices, self._env)
         inst.health = "unknown"
         self._set_state(inst, "starting")
-        inst.log.begin(f"start {inst.restarts + 1}: " + shlex.join(redact(argv, self.backend_key)))
-        spawning = asyncio.ensure_future(process.spawn(argv, env, inst.log.path, grace=self.stop_grace))
+        # The key travels in a pipe the server inherits (shim.py), never in any argv.
+        key_fd, key_w = os.pipe()
         try:
-            inst.proc = await asyncio.shield(spawning)
-        except asyncio.CancelledError:
-            # Stopping while the fork is under way: keep the process so stop() can end it.
-            inst.proc = await spawning
-            inst.pid = inst.proc.pid
-            raise
-        except OSError as exc:
-            return "spawn_error", f"cannot start {argv[0]!r}: {exc}"
+            os.write(key_w, self.backend_key.encode())
+        finally:
+            os.close(key_w)
+        try:
+            try:
+                argv = launch_argv(inst.plan, inst.port, key_fd, env)
+            except LaunchError as exc:
+                return "spawn_error", str(exc)
+            shown = redact(instance_argv(inst.plan, inst.port, self.backend_key), self.backend_key)
+            inst.log.begin(f"start {inst.restarts + 1}: " + shlex.join(shown) + " (key from a pipe, through gateway.launcher.shim)")
+            spawning = asyncio.ensure_future(process.spawn(argv, env, inst.log.path, grace=self.stop_grace, pass_fds=(key_fd,)))
+            try:
+                inst.proc = await asyncio.shield(spawning)
+            except asyncio.CancelledError:
+                # Stopping while the fork is under way: keep the process so stop() can end it.
+                inst.proc = await spawning
+                inst.pid = inst.proc.pid
+                raise
+            except OSError as exc:
+                return "spawn_error", f"cannot start {argv[0]!r}: {exc}"
+        finally:
+            os.close(key_fd)  # the child has its own copy
         inst.pid = inst.proc.pid
         inst.spawned_at = time.monotonic()
         exited = asyncio.ensure_future(inst.proc.wait())
