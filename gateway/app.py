@@ -157,10 +157,13 @@ class Gateway:
         live, fixed = split(self.config, new)
         if fixed:
             raise ReloadRefused(fixed)
+        if new.auth.disabled != self.config.auth.disabled or new.auth.keys_file != self.config.auth.keys_file:
+            raise ReloadRefused([f for f in ("auth.disabled", "auth.keys_file") if getattr(new.auth, f[5:]) != getattr(self.config.auth, f[5:])])
         listener = self.asgi()
+        if "auth" in live:
+            self.store.keys.set_config_keys(new.auth.keys)  # the same cache the keys-file watcher feeds
+            self.keys_file.inline = new.auth.inline_keys
         if "auth" in live or "media" in live:
-            listener.auth = self.auth = ApiKeyAuth(new.auth)
-            listener.limits = self.limits = RateLimit(new.auth)
             listener.media = self.media = MediaPolicy(new.media)
         if "limits" in live:
             listener.body = self.body = BodyPolicy(new.limits)
