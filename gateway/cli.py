@@ -83,6 +83,17 @@ def cmd_keys_hash(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_admin_key(args: argparse.Namespace) -> int:
+    """A new admin-listener key, as env-file lines: the key for you (and Prometheus), its hash for the config."""
+    from .filters.auth import hash_key, new_key
+
+    key = new_key()
+    print(f"ADMIN_KEY={key}\nADMIN_KEY_HASH={hash_key(key)}")
+    print("# Keep ADMIN_KEY secret (it opens the admin listener); put ADMIN_KEY_HASH in the config:"
+          ' admin: {key_hash: "${ADMIN_KEY_HASH}"}', file=sys.stderr)
+    return 0
+
+
 def cmd_sim(argv: list[str]) -> int:
     from .sim.__main__ import main as sim_main
 
@@ -111,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = keys.add_parser("hash", help="print the stored form of an existing key ('-' reads it from stdin)")
     p.add_argument("key")
     p.set_defaults(func=cmd_keys_hash)
+
+    p = sub.add_parser("admin-key", help="make a key for the admin listener; prints ADMIN_KEY=... and ADMIN_KEY_HASH=... (env-file lines)")
+    p.set_defaults(func=cmd_admin_key)
 
     sub.add_parser("sim", help="run the simulated api_server (see `gateway sim --help`)", add_help=False)
     return parser

@@ -84,7 +84,7 @@ def test_the_admin_port_is_loopback_by_default():
 
 
 @pytest.mark.parametrize("admin,message", [
-    ({"port": 9000}, "admin.key_hash: required: the admin listener needs its own key (`gateway keys create --admin` makes one)"),
+    ({"port": 9000}, "admin.key_hash: required: the admin listener needs its own key (`gateway admin-key` makes one)"),
     ({"key_hash": "sk-abc"}, "admin.key_hash: looks like a raw key; store its hash instead (`gateway keys hash` prints it)"),
     ({"key_hash": hash_key("k"), "prot": 1}, "admin.prot: unknown field (did you mean 'port'?); valid fields: host, key_hash, port"),
 ])
