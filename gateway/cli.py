@@ -10,6 +10,7 @@ import argparse
 import logging
 import dataclasses
 import os
+import signal
 import sys
 
 from .config import ConfigError, GatewayConfig, load_config
@@ -51,6 +52,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cfg = dataclasses.replace(cfg, state_dir=args.state_dir)
     host = args.host or cfg.server.host
     port = args.port if args.port is not None else cfg.server.port
+    busy = _busy_ports([(host, port)] + ([(cfg.admin.host, cfg.admin.port)] if cfg.admin.enabled else []))
+    if busy:  # before anything starts or is announced
+        print(f"gateway serve: {busy}; is another gateway running? Stop it, or choose another port (--port, server.port, admin.port)", file=sys.stderr)
+        return 1
+    signal.signal(signal.SIGHUP, _on_sighup)  # a closed terminal must not stop the gateway without a word
     gateway = Gateway(cfg)
     config = uvicorn.Config(
         gateway.asgi(),
@@ -81,6 +87,26 @@ def cmd_keys_hash(args: argparse.Namespace) -> int:
     key = sys.stdin.readline().strip() if args.key == "-" else args.key
     print(hash_key(key))
     return 0
+
+
+def _busy_ports(addresses: list[tuple[str, int]]) -> str | None:
+    from .admin.server import bind
+
+    for host, port in addresses:
+        if port == 0:
+            continue
+        try:
+            bind(host, port).close()
+        except OSError as exc:
+            return str(exc)
+    return None
+
+
+def _on_sighup(signum: int, frame: object) -> None:
+    logging.getLogger("gateway").warning(
+        "SIGHUP (the terminal closed?): the gateway keeps running; stop it with Ctrl-C or SIGTERM"
+        " (with auth.keys_file set, SIGHUP reloads the keys file instead)"
+    )
 
 
 def cmd_admin_key(args: argparse.Namespace) -> int:

@@ -119,7 +119,15 @@ class Listener:
     # -- lifespan ---------------------------------------------------------------------------
     async def lifespan(self, receive: Receive, send: Send) -> None:
         while True:
-            message = await receive()
+            try:
+                message = await receive()
+            except asyncio.CancelledError:
+                # A forced stop (a second Ctrl-C) skips the shutdown message: still stop what
+                # start-up started (launched backends), and end quietly rather than with a traceback.
+                if self._shutdown is not None:
+                    log.warning("forced to stop: stopping launched backends now")
+                    await self._shutdown()
+                return
             if message["type"] == "lifespan.startup":
                 try:
                     if self._startup is not None:
