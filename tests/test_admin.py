@@ -209,3 +209,23 @@ def test_restart_a_launched_instance(keys, tmp_path, monkeypatch):
             row = admin.get("/admin/backends").json()["backends"][0]
             assert row["id"] == "chat#0" and row["restarts"] == 1 and row["state"] == "healthy" and row["healthy"]
             assert admin.delete("/admin/backends/chat%230").status_code == 409
+
+
+def test_reload_adds_and_removes_remote_backends_and_leaves_the_others(env, keys):
+    with Sim("other-model", api_key="third-secret") as third:
+        backends = [env.config["backends"][0], {"url": third.url, "api_key": "third-secret", "name": "third"}]
+        env.write_config(backends=backends)
+        try:
+            r = env.admin.post("/admin/reload")
+            assert r.status_code == 200 and r.json() == {"applied": ["backends"]}
+            ids = {b.id for b in env.gw.gateway.pool}
+            assert ids == {"sim-0", "third"}
+            wait_until(lambda: env.gw.gateway.pool.get("third").healthy, 10, 0.02, "the new backend healthy")
+            with httpx.Client(base_url=env.gw.url, headers={"authorization": f"Bearer {keys.alice}"}) as c:
+                ok = c.post("/v1/chat/completions", json={"model": "other-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+                assert ok.status_code == 200
+        finally:
+            env.write_config()
+            assert env.admin.post("/admin/reload").json() == {"applied": ["backends"]}
+    assert {b.id for b in env.gw.gateway.pool} == {"sim-0", "sim-1"}
+    wait_until(lambda: all(b.healthy for b in env.gw.gateway.pool), 10, 0.02, "both sims healthy again")
