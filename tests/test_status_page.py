@@ -54,6 +54,7 @@ def test_status_page_shows_backends_refusals_and_a_drain_live(keys, browser):
                            json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
                 for _ in range(3):
                     c.post("/v1/chat/completions", headers={"authorization": "Bearer sk-wrong"}, json={})
+                c.get("/v1/chat%2Fcompletions")  # refused before it matches a route: counted all the same
 
             page = httpx.get(admin_url + "/status")
             assert page.status_code == 200 and b"://" not in page.content  # no CDN, nothing fetched from elsewhere
@@ -71,8 +72,9 @@ def test_status_page_shows_backends_refusals_and_a_drain_live(keys, browser):
             served = sum(int(r.find_elements(By.TAG_NAME, "td")[4].text) for r in rows.values())
             assert served == 8
             reasons = browser.find_element(By.ID, "reasons").text
-            assert "invalid_api_key" in reasons and "3" in reasons
-            assert browser.find_element(By.ID, "total").text.startswith("11")
+            assert "invalid_api_key\n3" in reasons or "invalid_api_key 3" in reasons, reasons
+            assert "path_not_canonical" in reasons
+            assert browser.find_element(By.ID, "total").text.startswith("12")
             assert browser.find_elements(By.CSS_SELECTOR, "#rate-spark polyline")
 
             # Live: a drain through the admin API shows on the next poll, without reloading the page.

@@ -34,7 +34,8 @@ class LiveStats:
         self.backends: dict[str, BackendFigures] = {}
         self.total = 0
 
-    def observe(self, ctx: Any, status: int, seconds: float) -> None:
+    def observe(self, ctx: Any, status: int, seconds: float, refusal: str | None = None) -> None:
+        """One finished request; ``ctx`` is None when it was refused before it matched a route."""
         now = self.clock()
         sec = int(now)
         i = sec % WINDOW
@@ -43,11 +44,11 @@ class LiveStats:
         self._count[i] += 1
         self._latency[i] += seconds
         self.total += 1
-        if ctx.refusal is not None:
-            self.refusals.append((now, ctx.refusal, status))
-            if ctx.refusal in self.refusal_counts or len(self.refusal_counts) < 256:  # reasons are a closed set; bound anyway
-                self.refusal_counts[ctx.refusal] = self.refusal_counts.get(ctx.refusal, 0) + 1
-        if ctx.backend is not None:
+        if refusal is not None:
+            self.refusals.append((now, refusal, status))
+            if refusal in self.refusal_counts or len(self.refusal_counts) < 256:  # reasons are a closed set; bound anyway
+                self.refusal_counts[refusal] = self.refusal_counts.get(refusal, 0) + 1
+        if ctx is not None and ctx.backend is not None:
             b = self.backends.get(ctx.backend)
             if b is None:
                 b = self.backends[ctx.backend] = BackendFigures()
