@@ -18,7 +18,7 @@ from .filters.media import MediaPolicy
 from .filters.paths import PathPolicy
 from .listener import Listener
 from .local_routes import LocalRoutes
-from .routing.balancer import make_balancer
+from .routing.policies import make_balancer
 from .routing.pool import Backend, BackendPool
 from .routing.router import Router
 from .routing.signals import MetricsScraper
@@ -43,6 +43,7 @@ class Gateway:
         self.control_client: Any = None
         # The upstream client needs a running loop: startup() gives the router its client.
         self.router = Router(self.pool, self.balancer, None, retries=config.balancer.retries)  # type: ignore[arg-type]
+        self.pool.on_change(self._forget_removed)
         self.launcher: Any = None
         for i, b in enumerate(config.backends):
             self.pool.add(
@@ -56,6 +57,11 @@ class Gateway:
                 )
             )
         self._listener: Listener | None = None
+
+    def _forget_removed(self, b: Backend) -> None:
+        """A backend that left the pool takes the policy's state about it along."""
+        if self.pool.get(b.id) is not b:
+            self.balancer.forget(b.id)
 
     def asgi(self) -> Listener:
         if self._listener is None:
@@ -83,7 +89,7 @@ class Gateway:
         self.control_client = make_client(self.config.timeouts)  # health checks and metrics scraping
         self.pool.start(self.control_client)
         interval = self.config.balancer.scrape_interval
-        if interval > 0 and hasattr(self.balancer, "observe_signals"):
+        if interval > 0 and self.balancer.reads_signals:
             # Backend gauges (queue, running, KV use) for the policies that read them.
             self.scraper = MetricsScraper(lambda: self.pool, self.balancer.observe_signals, interval=interval, client=self.control_client)
             self.scraper.start()

@@ -24,7 +24,7 @@ if __package__ in (None, ""):
     __package__ = "bench.routing"
 
 from gateway.config.balancer import BalancerConfig  # noqa: E402
-from gateway.routing.balancer import Outcome, make_balancer, request_info  # noqa: E402
+from gateway.routing.policies import Outcome, make_balancer, request_info  # noqa: E402
 from gateway.routing.pool import Backend  # noqa: E402
 from gateway.routing.signals import Signals, update_signals  # noqa: E402
 from gateway.sim.prefix_cache import PrefixCache  # noqa: E402
@@ -149,15 +149,13 @@ def replay(policy: str, speeds: list[float], trace, params: SimParams, cfg: Bala
 
     def on_done(engine, s: Seq) -> None:
         b = by_engine[engine]
-        bal.completed(b, s.req, Outcome(status=200, ok=True, ttft=s.first - s.sent, duration=loop.now - s.sent,
+        bal.completed(b, s.req, Outcome(status=200, ok=True, ttft=s.first - s.sent,
                                         prompt_tokens=s.tokens, completion_tokens=s.out, cached_tokens=s.cached))
         results[s.index] = (loop.now - s.sent, s.first - s.sent)
 
     engines = [Engine(loop, params, sp, on_token, on_done) for sp in speeds]
     by_engine = dict(zip(engines, backends))
     signals = [Signals(max_age=30.0) for _ in backends]
-    for b, sig in zip(backends, signals):
-        b.stats["signals"] = sig
 
     def arrive(i: int, item) -> None:
         req = request_info("m", item.body)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from .fields import Section
 
-# min_expected_latency is ours; the others are baselines for comparison (see gateway/routing/balancer.py).
+# min_expected_latency is ours; the others are baselines for comparison (see gateway/routing/policies/).
 POLICIES = ("min_expected_latency", "least_in_flight", "round_robin", "random", "least_load")
 
 

@@ -42,8 +42,6 @@ class Backend:
     consecutive_failures: int = 0
     returned_at: float = 0.0  # when it last came back from ejection or unhealth: the balancer ramps it up slowly
     in_flight: int = 0
-    # Free-form per-backend state owned by the balancer (EWMAs, reservations, scraped metrics).
-    stats: dict[str, Any] = field(default_factory=dict)
 
     def auth_headers(self) -> list[tuple[bytes, bytes]]:
         return [(b"authorization", b"Bearer " + self.api_key.encode())] if self.api_key else []

@@ -19,7 +19,7 @@ from .. import metrics
 from ..errors import Refusal, model_not_found, sse_error_event
 from ..filters import RequestContext
 from ..upstream import Upstream, UpstreamFailure, UpstreamResponse, UpstreamTimeout
-from .balancer import Balancer, Outcome, RequestInfo
+from .policies import Balancer, Outcome, RequestInfo
 from .pool import Backend, BackendPool
 
 log = logging.getLogger("gateway.router")
@@ -136,7 +136,6 @@ class Router:
             finally:
                 await response.aclose()
         finally:
-            outcome.duration = time.monotonic() - start
             self.balancer.completed(b, req, outcome)
 
     async def _relay_whole(
