@@ -8,6 +8,7 @@ shut-down (after uvicorn has drained in-flight requests) stops them.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from .config import GatewayConfig
@@ -21,7 +22,8 @@ from .local_routes import LocalRoutes
 from .routing.policies import make_balancer
 from .routing.pool import Backend, BackendPool
 from .routing.router import Router
-from .routing.signals import MetricsScraper
+from .routing.queue import Admission, GatewayQueue
+from .routing.signals import MetricsScraper, Signals
 from .upstream import Upstream, make_client, make_upstream
 
 log = logging.getLogger("gateway")
@@ -43,7 +45,10 @@ class Gateway:
         self.control_client: Any = None
         # The upstream client needs a running loop: startup() gives the router its client.
         self.router = Router(self.pool, self.balancer, None, retries=config.balancer.retries)  # type: ignore[arg-type]
-        self.pool.on_change(self._forget_removed)
+        self.queue: GatewayQueue | None = None
+        if config.balancer.queue.enabled and self.balancer.predicts:
+            self.queue = self.router.queue = GatewayQueue(Admission(config.balancer.queue, self.balancer, self.pool.eligible, time.monotonic))
+        self.pool.on_change(self._pool_changed)
         self.launcher: Any = None
         for i, b in enumerate(config.backends):
             self.pool.add(
@@ -58,10 +63,16 @@ class Gateway:
             )
         self._listener: Listener | None = None
 
-    def _forget_removed(self, b: Backend) -> None:
-        """A backend that left the pool takes the policy's state about it along."""
-        if self.pool.get(b.id) is not b:
+    def _pool_changed(self, b: Backend) -> None:
+        if self.pool.get(b.id) is not b:  # it left the pool: the policy's state about it goes too
             self.balancer.forget(b.id)
+        if self.queue is not None:  # a backend back (or new) can take waiting requests
+            self.queue.wake()
+
+    def _observe_signals(self, b: Backend, signals: Signals, changed: bool) -> None:
+        self.balancer.observe_signals(b, signals, changed)
+        if self.queue is not None:
+            self.queue.wake()
 
     def asgi(self) -> Listener:
         if self._listener is None:
@@ -91,7 +102,7 @@ class Gateway:
         interval = self.config.balancer.scrape_interval
         if interval > 0 and self.balancer.reads_signals:
             # Backend gauges (queue, running, KV use) for the policies that read them.
-            self.scraper = MetricsScraper(lambda: self.pool, self.balancer.observe_signals, interval=interval, client=self.control_client)
+            self.scraper = MetricsScraper(lambda: self.pool, self._observe_signals, interval=interval, client=self.control_client)
             self.scraper.start()
         if self.config.launch:
             from .launcher import Launcher  # imported lazily: a gateway with only remote backends needs none of it

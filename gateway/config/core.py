@@ -10,6 +10,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from .fields import Section
+from .balancer import DEFAULT_PRIORITY, parse_priority
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -44,6 +45,7 @@ class ApiKeyConfig:
     media_allowed_domains: tuple[str, ...] | None = None  # None: the gateway's media policy
     rate_limit_rpm: int | None = None
     admin: bool = False  # may read the gateway's /metrics
+    priority: int = DEFAULT_PRIORITY  # queue class: interactive (10), batch (0) or 0-100; higher is served first
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,10 @@ def _read_key(s: Section, index: int) -> ApiKeyConfig | None:
     media = s.str_list("media_allowed_domains", None)
     rpm = s.int("rate_limit_rpm", None, min=1)
     admin = s.bool("admin", False)
+    priority = parse_priority(s.raw("priority", DEFAULT_PRIORITY))
+    if isinstance(priority, str):
+        s.error("priority", priority)
+        priority = DEFAULT_PRIORITY
     s.finish()
     if digest is None:
         return None
@@ -125,6 +131,7 @@ def _read_key(s: Section, index: int) -> ApiKeyConfig | None:
         media_allowed_domains=tuple(media) if media is not None else None,
         rate_limit_rpm=rpm,
         admin=admin,
+        priority=priority,
     )
 
 

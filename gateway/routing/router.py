@@ -19,7 +19,9 @@ from .. import metrics
 from ..errors import Refusal, model_not_found, sse_error_event
 from ..filters import RequestContext
 from ..upstream import Upstream, UpstreamFailure, UpstreamResponse, UpstreamTimeout
+from ..config.balancer import DEFAULT_PRIORITY
 from .policies import Balancer, Outcome, RequestInfo
+from .queue import GatewayQueue
 from .pool import Backend, BackendPool
 
 log = logging.getLogger("gateway.router")
@@ -45,6 +47,7 @@ class Router:
         self.upstream = upstream
         self.retries = retries
         self._ttfb: dict[str, object] = {}
+        self.queue: GatewayQueue | None = None  # late binding, priorities and shedding; set by the Gateway
 
     def _observe_ttfb(self, kind: str, seconds: float) -> None:
         child = self._ttfb.get(kind)
@@ -74,8 +77,16 @@ class Router:
                 refusal = NO_BACKEND if self.pool.knows_model(model) else model_not_found(model)
                 await reply(refusal)
                 return refusal.status
-            backend = self.balancer.pick(candidates, req)
-            self.balancer.dispatched(backend, req)
+            if attempt == 0 and self.queue is not None:
+                # The queue binds the request to a backend (picked and dispatched) when one has room.
+                admitted = await self.queue.acquire(req, ctx.key.name if ctx.key else "", ctx.key.priority if ctx.key else DEFAULT_PRIORITY)
+                if isinstance(admitted, Refusal):
+                    await reply(admitted)
+                    return admitted.status
+                backend = admitted
+            else:
+                backend = self.balancer.pick(candidates, req)
+                self.balancer.dispatched(backend, req)
             last = attempt == attempts - 1
             status = await self._attempt(backend, req, ctx, path, payload, headers, send, reply, last)
             if status is not None:
@@ -137,6 +148,8 @@ class Router:
                 await response.aclose()
         finally:
             self.balancer.completed(b, req, outcome)
+            if self.queue is not None:
+                self.queue.completed(req.model)
 
     async def _relay_whole(
         self,

@@ -127,7 +127,8 @@ class Balancer:
     def pick(self, candidates: Sequence[Backend], req: RequestInfo) -> Backend:
         raise NotImplementedError
 
-    def predict(self, b: Backend, req: RequestInfo) -> Prediction:
+    def predict(self, candidates: Sequence[Backend], req: RequestInfo) -> list[Prediction]:
+        """Each candidate's predicted TTFT and end-to-end latency for req (policies with ``predicts``)."""
         raise NotImplementedError(f"{self.name} makes no predictions")
 
     def dispatched(self, backend: Backend, req: RequestInfo) -> None:

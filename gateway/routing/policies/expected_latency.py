@@ -13,7 +13,7 @@ from ...metrics import AFFINITY_PICKS
 from ..pool import Backend
 from ..prefix import PrefixMemory, key_tokens
 from ..signals import Signals
-from .base import Balancer, Outcome, PerBackend, RequestInfo
+from .base import Balancer, Outcome, PerBackend, Prediction, RequestInfo
 from .sizes import Sizes, SizesByModel
 
 
@@ -108,6 +108,7 @@ class ExpectedLatencyBalancer(Balancer):
     name = "min_expected_latency"
     reads_prompt = True
     reads_signals = True
+    predicts = True
     SIGMA0 = 0.03  # prior seconds per token of a lone sequence, before any backend has history
     GAMMA0 = 0.01  # prior: each sequence in the batch adds 1% to a step
     RHO0 = 0.005  # prior: prefilling a token costs 0.5% of a decode step
@@ -167,7 +168,12 @@ class ExpectedLatencyBalancer(Balancer):
 
     # -- the estimate -----------------------------------------------------------------------------
     def expected_latency(self, b: Backend, req: RequestInfo, now: float, fleet: float, depth: int | None = None) -> tuple[float, int]:
-        """(L_b(r), prefix depth b holds for r); ``req.out_tokens`` and ``req.uncached`` must be set."""
+        """(L_b(r), prefix depth b holds for r); ``req.out_tokens`` must be set."""
+        pred, depth = self._estimate(b, req, now, fleet, depth)
+        return pred.e2e, depth
+
+    def _estimate(self, b: Backend, req: RequestInfo, now: float, fleet: float, depth: int | None = None) -> tuple[Prediction, int]:
+        """b's predicted TTFT and end-to-end latency for r, and the prefix depth b holds for r."""
         m = self._model(b)
         if depth is None:
             depth = m.prefixes.depth(req.prefix_keys, now) if req.prefix_keys else 0
@@ -196,15 +202,18 @@ class ExpectedLatencyBalancer(Balancer):
             shared += rem if rem < d else d
             rems.append((rem, j.kv_tokens))
         sizes = self._sizes(req.model)
+        ext_rem = 0.0
         if m.ext:
-            shared += m.ext * min(sizes.out_avg / 2, d)
+            ext_rem = min(sizes.out_avg / 2, d)
+            shared += m.ext * ext_rem
             queued += m.ext * sizes.prompt(req) * 0.1  # some of the others are in prefill; a rough share
         prompt = sizes.prompt(req)
         uncached = max(0.0, prompt - key_tokens(depth))
-        lat = self.rho * sigma * (queued + uncached) + sigma * (1.0 + g) * d + sigma * g * shared
-        wait = self._wait_steps(m, rems, prompt + d)
-        if wait:
-            lat += wait * step
+        prefill = self.rho * sigma * (queued + uncached)
+        lat = prefill + sigma * (1.0 + g) * d + sigma * g * shared
+        wait = self._wait_steps(m, rems, prompt + d, int(m.ext), sizes.out_avg / 2)
+        wait_s = wait * step
+        lat += wait_s
         others = self.config.others_weight
         if others:
             # What r costs the requests already there: σγ more per step they share, and, when the
@@ -213,19 +222,35 @@ class ExpectedLatencyBalancer(Balancer):
             behind = len(rems) + 1 - m.slots if m.slots is not None else 0
             if behind > 0:
                 lat += others * behind * d * step / m.slots
-        lat /= self._ramp(b, now)
+        # The first token comes after the wait for a slot (the prefill queue drains meanwhile), r's
+        # own prefill and one step.
+        ttft = max(wait_s, self.rho * sigma * queued) + self.rho * sigma * uncached + step
+        ramp = self._ramp(b, now)
+        lat /= ramp
+        ttft /= ramp
         sig = m.signals
         if sig is not None and self.config.kv_penalty and sig.fresh(now):
             k = min(sig.kv_usage, 0.99)
-            lat += self.config.kv_penalty * k / (1.0 - k)
-        return lat, depth
+            pen = self.config.kv_penalty * k / (1.0 - k)
+            lat += pen
+            ttft += pen
+        return Prediction(ttft=ttft, e2e=lat, wait=wait_s / ramp), depth
+
+    def predict(self, candidates: Sequence[Backend], req: RequestInfo) -> list[Prediction]:
+        """What each candidate would do with r if it were sent now."""
+        self._prepare(req)
+        now = self.clock()
+        fleet = self.fleet_sigma(candidates)
+        return [self._estimate(b, req, now, fleet)[0] for b in candidates]
 
     @staticmethod
-    def _wait_steps(m: BackendModel, rems: list[tuple[float, float]], kv_new: float) -> float:
-        """Decode steps until r is admitted: a batch slot and room for its KV must both free up."""
+    def _wait_steps(m: BackendModel, rems: list[tuple[float, float]], kv_new: float, ext: int = 0, ext_rem: float = 0.0) -> float:
+        """Decode steps until r is admitted: a batch slot and room for its KV must both free up.
+        Sequences of others (``ext``, from /metrics) take slots too; each has ``ext_rem`` tokens left."""
         wait = 0.0
-        if m.slots is not None and len(rems) + 1 > m.slots:
-            wait = heapq.nsmallest(len(rems) + 1 - m.slots, rems)[-1][0]
+        if m.slots is not None and len(rems) + ext + 1 > m.slots:
+            ahead = rems + [(ext_rem, 0.0)] * ext if ext else rems
+            wait = heapq.nsmallest(len(ahead) + 1 - m.slots, ahead)[-1][0]
         if m.kv_capacity is not None and rems:
             need = m.kv + kv_new - m.kv_capacity
             if need > 0:
@@ -257,7 +282,18 @@ class ExpectedLatencyBalancer(Balancer):
             return candidates[0]
         now = self.clock()
         fleet = self._fleet = self.fleet_sigma(candidates)
-        scored = [(*self.expected_latency(b, req, now, fleet), b) for b in candidates]
+        scored = []  # (the objective's score, prefix depth, backend)
+        objective = self.config.objective
+        preds = [(*self._estimate(b, req, now, fleet), b) for b in candidates]
+        if objective == "e2e_within_ttft":
+            # Only the backends that start r about as soon as the best one does; among them the
+            # one that finishes it first.
+            limit = min(p.ttft for p, _, _ in preds) + self.config.ttft_slack
+            scored = [(p.e2e, depth, b) for p, depth, b in preds if p.ttft <= limit]
+        elif objective == "ttft":
+            scored = [(p.ttft, depth, b) for p, depth, b in preds]
+        else:
+            scored = [(p.e2e, depth, b) for p, depth, b in preds]
         best_lat = min(s[0] for s in scored)
         tol = 1e-9 * abs(best_lat)
         ties = [s for s in scored if s[0] <= best_lat + tol]
