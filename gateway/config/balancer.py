@@ -9,9 +9,10 @@ from .fields import Section
 
 # min_expected_latency is ours; the others are baselines for comparison (see gateway/routing/policies/).
 POLICIES = ("min_expected_latency", "least_in_flight", "round_robin", "random", "least_load")
-# What min_expected_latency minimises: end-to-end latency among the backends whose predicted TTFT is
-# within ttft_slack of the best one's (default), end-to-end latency alone, or TTFT alone.
-OBJECTIVES = ("e2e_within_ttft", "e2e", "ttft")
+# What min_expected_latency minimises, from its predictions of TTFT and end-to-end latency:
+# e2e + ttft_weight x TTFT (default); end-to-end latency among the backends whose TTFT is within
+# ttft_slack of the best one's; end-to-end latency alone; TTFT alone.
+OBJECTIVES = ("e2e_plus_ttft", "e2e_within_ttft", "e2e", "ttft")
 # The gateway queue holds requests back on predictions, which only these policies make.
 PREDICTING_POLICIES = ("min_expected_latency",)
 
@@ -67,8 +68,10 @@ class BalancerConfig:
     slow_start: float = 30.0  # seconds over which a backend back from ejection or unhealth ramps up to full share; 0 turns it off
     kv_penalty: float = 0.15  # seconds × k/(1-k), k = the backend's KV-cache usage (as in SGLang's least_load)
     others_weight: float = 0.5  # how much the delay a request adds to the others on a backend counts against it (0: none)
-    objective: str = "e2e_within_ttft"
-    ttft_slack: float = 0.5  # seconds a request may start later than on the backend that would start it first, if that finishes it sooner
+    objective: str = "e2e_plus_ttft"
+    ttft_weight: float = 8.0  # e2e_plus_ttft: seconds of end-to-end latency one second of TTFT is worth
+    ttft_slack: float = 0.5  # e2e_within_ttft: seconds a request may start later than on the backend that would start it first, if that finishes it sooner
+    slots: int | None = None  # batch slots of each backend (LMDeploy's --max-batch-size), when known; unset: learnt from /metrics
     queue: QueueConfig = field(default_factory=QueueConfig)
 
 
@@ -85,7 +88,9 @@ def read_balancer(s: Section) -> BalancerConfig:
         kv_penalty=s.number("kv_penalty", d.kv_penalty, min=0, max=3600),
         others_weight=s.number("others_weight", d.others_weight, min=0, max=10),
         objective=s.enum("objective", OBJECTIVES, d.objective),
+        ttft_weight=s.number("ttft_weight", d.ttft_weight, min=0, max=1000),
         ttft_slack=s.number("ttft_slack", d.ttft_slack, min=0, max=3600),
+        slots=s.int("slots", d.slots, min=1, max=1_000_000),
         queue=read_queue(s.section("queue")),
     )
     q = s.data.get("queue")

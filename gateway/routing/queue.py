@@ -64,13 +64,14 @@ class Waiter:
 class ClassQueue:
     """One priority class: a FIFO per key, served by deficit round robin."""
 
-    __slots__ = ("quantum", "keys", "deficit", "size")
+    __slots__ = ("quantum", "keys", "deficit", "size", "turn")
 
     def __init__(self, quantum: float):
         self.quantum = quantum
         self.keys: OrderedDict[str, deque[Waiter]] = OrderedDict()  # active keys in turn order
         self.deficit: dict[str, float] = {}
         self.size = 0
+        self.turn: str | None = None  # the key whose turn it is (its quantum for this round is added)
 
     def push(self, w: Waiter) -> None:
         q = self.keys.get(w.key)
@@ -82,24 +83,27 @@ class ClassQueue:
 
     def pop(self) -> Waiter:
         """The next request by deficit round robin (the class must not be empty)."""
-        # Each pass adds a quantum to the key in turn; a request costs at most what its key holds.
-        # Bounded: a head of cost c is served within ceil(c / quantum) rounds of its key.
+        # A key's turn adds one quantum; it sends while its deficit covers its next request, then
+        # the turn passes. Bounded: a head of cost c goes within ceil(c / quantum) rounds.
         while True:
             key, q = next(iter(self.keys.items()))
+            if self.turn != key:
+                self.turn = key
+                self.deficit[key] += self.quantum
             head = q[0]
             if self.deficit[key] >= head.cost:
                 self.deficit[key] -= head.cost
                 q.popleft()
                 self.size -= 1
-                if not q:
+                if not q:  # an idle key keeps no credit
                     del self.keys[key], self.deficit[key]
+                    self.turn = None
                 return head
-            self.deficit[key] += self.quantum
-            if self.deficit[key] < head.cost:
-                self.keys.move_to_end(key)
+            self.turn = None
+            self.keys.move_to_end(key)
 
     def unpop(self, w: Waiter) -> None:
-        """Undo ``pop``: w is first again, its key first in turn, its cost back in the deficit."""
+        """Undo ``pop``: w is first again, in its key's turn, its cost back in the deficit."""
         q = self.keys.get(w.key)
         if q is None:
             q = self.keys[w.key] = deque()
@@ -107,6 +111,7 @@ class ClassQueue:
         q.appendleft(w)
         self.keys.move_to_end(w.key, last=False)
         self.deficit[w.key] += w.cost
+        self.turn = w.key
         self.size += 1
 
     def remove(self, w: Waiter) -> bool:
@@ -120,6 +125,8 @@ class ClassQueue:
         self.size -= 1
         if not q:
             del self.keys[w.key], self.deficit[w.key]
+            if self.turn == w.key:
+                self.turn = None
         return True
 
     def ahead_of(self, key: str) -> int:
@@ -268,9 +275,7 @@ class Admission:
 
     # -- capacity freed ------------------------------------------------------------------------------
     def completed(self, model: str) -> None:
-        q = self.models.get(model)
-        if q is not None:
-            q.completions.append(self.clock())
+        self._queue(model).completions.append(self.clock())
 
     def drain(self, model: str) -> list[Waiter]:
         """Bind waiting requests, best class first, while some backend has room; returns those bound."""

@@ -121,7 +121,7 @@ class ExpectedLatencyBalancer(Balancer):
         super().__init__(*args, **kwargs)
         self.sizes = SizesByModel()
         self.gamma = self.GAMMA0
-        self.models: PerBackend[BackendModel] = PerBackend(lambda: BackendModel(self.clock(), PrefixMemory(ttl=self.config.affinity_ttl)))
+        self.models: PerBackend[BackendModel] = PerBackend(self._new_model)
         self._rho_num = 0.0
         self._rho_den = 0.0
         self._fleet = self.SIGMA0  # the candidates' pooled σ at the last pick
@@ -129,6 +129,11 @@ class ExpectedLatencyBalancer(Balancer):
         self.picks = 0
 
     # -- state --------------------------------------------------------------------------------
+    def _new_model(self) -> BackendModel:
+        m = BackendModel(self.clock(), PrefixMemory(ttl=self.config.affinity_ttl))
+        m.slots = self.config.slots
+        return m
+
     def _model(self, b: Backend) -> BackendModel:
         return self.models(b)
 
@@ -285,7 +290,11 @@ class ExpectedLatencyBalancer(Balancer):
         scored = []  # (the objective's score, prefix depth, backend)
         objective = self.config.objective
         preds = [(*self._estimate(b, req, now, fleet), b) for b in candidates]
-        if objective == "e2e_within_ttft":
+        if objective == "e2e_plus_ttft":
+            # The person waits for the first token, then reads as it streams: TTFT weighs extra.
+            w = self.config.ttft_weight
+            scored = [(p.e2e + w * p.ttft, depth, b) for p, depth, b in preds]
+        elif objective == "e2e_within_ttft":
             # Only the backends that start r about as soon as the best one does; among them the
             # one that finishes it first.
             limit = min(p.ttft for p, _, _ in preds) + self.config.ttft_slack
