@@ -150,7 +150,7 @@ def policy_spec(spec: str, cfg: BalancerConfig) -> tuple[str, BalancerConfig]:
         k, _, v = kv.partition("=")
         target, base = (queue, cfg.queue) if hasattr(cfg.queue, k) else (changes, cfg)
         default = getattr(base, k)
-        target[k] = v in ("1", "true", "on") if isinstance(default, bool) else v if isinstance(default, str) else type(default)(v)
+        target[k] = v in ("1", "true", "on") if isinstance(default, bool) else v if isinstance(default, str) else (int(v) if default is None else type(default)(v))
     if queue:
         changes["queue"] = dataclasses.replace(cfg.queue, **queue)
     return name, dataclasses.replace(cfg, **changes)
