@@ -44,8 +44,8 @@ class Gate:
     def __init__(self, open_: bool = False):
         self.open = open_
 
-    def __call__(self, candidates, r) -> bool:
-        return self.open and bool(candidates)
+    def __call__(self, candidates, r, priority):
+        return list(candidates) if self.open else []
 
 
 def admission(clock: Clock, gate: Gate, members: list[Backend] | None = None, **queue) -> Admission:
@@ -350,3 +350,17 @@ def test_completed_frees_the_slot_the_prediction_waited_for():
     assert bal.predict([a], req())[0].wait > 0
     bal.completed(a, r1, Outcome(status=200, ok=True, completion_tokens=100))
     assert bal.predict([a], req())[0].wait == 0
+
+
+def test_lower_classes_leave_reserved_slots_free_while_interactive_requests_come():
+    clock = Clock()
+    (a,) = backends("a")
+    bal = make_balancer("min_expected_latency", BalancerConfig(slow_start=0.0, slots=4), clock=clock, rng=random.Random(0))
+    adm = Admission(QueueConfig(reserve=0.5), bal, lambda model: [a], clock)
+    assert isinstance(adm.admit(req(), "bulk", BATCH), Backend)  # no interactive traffic yet: no reserve
+    assert isinstance(adm.admit(req(), "ui", INTERACTIVE), Backend)
+    held = adm.admit(req(), "bulk", BATCH)  # 2 of 4 slots free: taking one would leave fewer than 2
+    assert isinstance(held, Waiter)
+    assert isinstance(adm.admit(req(), "ui", INTERACTIVE), Backend)  # interactive may use the reserve
+    clock.t += 31.0  # no interactive request for longer than the reserve is kept
+    assert adm.drain("m") == [held]

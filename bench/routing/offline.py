@@ -26,7 +26,7 @@ if __package__ in (None, ""):
 
 from gateway.config.balancer import BalancerConfig  # noqa: E402
 from gateway.routing.policies import Outcome, make_balancer, request_info  # noqa: E402
-from gateway.config.balancer import DEFAULT_PRIORITY  # noqa: E402
+from gateway.config.balancer import DEFAULT_PRIORITY, PRIORITY_NAMES  # noqa: E402
 from gateway.routing.pool import Backend  # noqa: E402
 from gateway.routing.queue import Admission, Waiter  # noqa: E402
 from gateway.routing.signals import Signals, update_signals  # noqa: E402
@@ -34,7 +34,7 @@ from gateway.sim.prefix_cache import PrefixCache  # noqa: E402
 from gateway.sim.tokens import render_chat, text_prompt  # noqa: E402
 
 from .run import FLEETS, POLICIES  # noqa: E402
-from .trace import SimParams, fleet_capacity, make_trace  # noqa: E402
+from .trace import SimParams, fleet_capacity, make_trace, mixed_trace  # noqa: E402
 
 
 class Loop:
@@ -210,7 +210,7 @@ def replay(policy: str, speeds: list[float], trace, params: SimParams, cfg: Bala
             bal.dispatched(b, req)
             submit(b, i, item, req)
             return
-        got = adm.admit(req, getattr(item, "key", ""), getattr(item, "priority", DEFAULT_PRIORITY))
+        got = adm.admit(req, item.key, PRIORITIES.get(item.key, DEFAULT_PRIORITY))
         for v in adm.displaced:
             _, j, _ = waiting.pop(id(v))
             refused[j] = (loop.now - arrived.pop(j), v.refusal.status)
@@ -253,7 +253,13 @@ def replay(policy: str, speeds: list[float], trace, params: SimParams, cfg: Bala
     ttft = sorted(results[i][1] for i in range(skip, len(trace.items)) if i in results)
     shed = sorted(refused[i][0] for i in range(skip, len(trace.items)) if i in refused)
     prompt = sum(e.prompt_tokens for e in engines)
+    by_key = {}
+    for key in {it.key for it in trace.items}:
+        mine = sorted(results[i][1] for i in range(skip, len(trace.items)) if i in results and trace.items[i].key == key)
+        by_key[key] = {"ttft_p99": _p99(mine), "lat_p99": _p99(sorted(results[i][0] for i in range(skip, len(trace.items)) if i in results and trace.items[i].key == key)),
+                       "refused": sum(1 for i in range(skip, len(trace.items)) if i in refused and trace.items[i].key == key)}
     return {
+        "by_key": by_key,
         "policy": spec,
         "lat_mean": statistics.fmean(lat),
         "lat_p50": lat[len(lat) // 2],
@@ -268,6 +274,13 @@ def replay(policy: str, speeds: list[float], trace, params: SimParams, cfg: Bala
     }
 
 
+PRIORITIES = {"ui": PRIORITY_NAMES["interactive"], "bulk": PRIORITY_NAMES["batch"]}  # the mixed run's keys
+
+
+def _p99(xs: list[float]) -> float:
+    return xs[min(len(xs) - 1, int(0.99 * (len(xs) - 1) + 0.5))] if xs else float("nan")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.routing.offline", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fleets", default="heterogeneous,homogeneous")
@@ -276,9 +289,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=120.0)
     ap.add_argument("--seeds", default="7")
     ap.add_argument("--shared", type=float, default=0.5)
+    ap.add_argument("--mixed", action="store_true", help="interactive short requests (key ui) at --loads, alone and with a batch flood (key bulk) at 100%%")
     args = ap.parse_args(argv)
     params = SimParams()
     cfg = BalancerConfig(scrape_interval=2.0)
+    if args.mixed:
+        for fleet in args.fleets.split(","):
+            speeds = FLEETS[fleet]
+            cap = fleet_capacity(params, speeds, 7, "m", args.shared)
+            for load in (float(x) for x in args.loads.split(",")):
+                for seed in (int(s) for s in args.seeds.split(",")):
+                    alone = mixed_trace(seed, interactive_rate=load * cap, batch_rate=0.0, duration=args.duration, model="m")
+                    flood = mixed_trace(seed, interactive_rate=load * cap, batch_rate=cap, duration=args.duration, model="m")
+                    print(f"\nmixed {fleet}: interactive at {load:.0%}, alone and with a batch flood at 100%; seed {seed}")
+                    for policy in args.policies.split(","):
+                        a = replay(policy, speeds, alone, params, cfg, seed)["by_key"]["ui"]
+                        f = replay(policy, speeds, flood, params, cfg, seed)["by_key"]
+                        print(f"  {policy:<44} ui ttft p99 {a['ttft_p99']:.3f} -> {f['ui']['ttft_p99']:.3f} ({100 * (f['ui']['ttft_p99'] / a['ttft_p99'] - 1):+.0f}%)"
+                              f"  ui lat p99 {a['lat_p99']:.2f} -> {f['ui']['lat_p99']:.2f}  ui shed {f['ui']['refused']}  bulk shed {f['bulk']['refused']}  bulk lat p99 {f['bulk']['lat_p99']:.2f}")
+        return 0
     for fleet in args.fleets.split(","):
         speeds = FLEETS[fleet]
         for load in (float(x) for x in args.loads.split(",")):

@@ -49,6 +49,7 @@ class QueueConfig:
     max_wait: tuple[tuple[int, float], ...] = ((PRIORITY_NAMES["interactive"], 10.0), (PRIORITY_NAMES["batch"], 60.0))  # seconds a class may wait
     default_max_wait: float = 30.0  # for classes max_wait does not name
     quantum: int = 1024  # tokens a key may send per round within its class (deficit round robin)
+    reserve: float = 0.75  # share of a backend's batch slots that classes below interactive leave free while interactive requests come (when the slots are known)
 
     def wait_limit(self, priority: int) -> float:
         for p, w in self.max_wait:
@@ -125,6 +126,7 @@ def read_queue(s: Section) -> QueueConfig:
         max_wait=tuple(sorted(waits.items(), reverse=True)),
         default_max_wait=s.number("default_max_wait", d.default_max_wait, min=0, max=3600, exclusive=True),
         quantum=s.int("quantum", d.quantum, min=1, max=1_000_000),
+        reserve=s.number("reserve", d.reserve, min=0, max=0.9),
     )
     s.finish()
     return cfg

@@ -31,16 +31,21 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 from .. import metrics
-from ..config.balancer import QueueConfig, priority_name
+from ..config.balancer import DEFAULT_PRIORITY, QueueConfig, priority_name
 from ..errors import Refusal
 from .policies import Balancer, Outcome, RequestInfo
 from .pool import Backend
 
-Room = Callable[[Sequence[Backend], RequestInfo], bool]
+# (eligible backends, the request, its priority class) -> the backends that can start it now.
+Room = Callable[[Sequence[Backend], RequestInfo, int], Sequence[Backend]]
 
 # A request is refused on arrival when its predicted wait exceeds this share of its class's limit:
 # at the limit itself, half of those admitted would still time out in the queue (slowly).
 SHED_MARGIN = 0.6
+# Seconds of prefill a request below the interactive class may find queued on a backend it is bound to.
+LOW_PREFILL_AHEAD = 0.05
+# How long after the last interactive request lower classes keep leaving ``reserve`` free.
+RESERVE_FOR = 30.0
 
 
 @dataclass(slots=True, eq=False)
@@ -190,15 +195,30 @@ class Admission:
         self.room = room or self.predicted_room
         self.models: dict[str, ModelQueue] = {}
         self.displaced: list[Waiter] = []  # refused by ``admit`` to make room: their waiters must be told
+        self.top_seen: dict[str, float] = {}  # by model: when an interactive (or higher) request last arrived
 
     # -- capacity --------------------------------------------------------------------------------
-    def predicted_room(self, candidates: Sequence[Backend], req: RequestInfo) -> bool:
-        """Some backend can start req within ``hold_wait``, by the policy's predictions."""
+    def predicted_room(self, candidates: Sequence[Backend], req: RequestInfo, priority: int) -> Sequence[Backend]:
+        """The backends that can start req within ``hold_wait``, by the policy's predictions. Below
+        the interactive class, while interactive requests come, a request must also leave
+        ``reserve`` of a backend's batch slots free and find no prefill queued: interactive requests
+        then find a slot, short steps and an empty prefill queue."""
         if not candidates:
-            return False
-        if any(b.in_flight == 0 for b in candidates):
-            return True  # an idle backend always takes work: the queue never waits on a prediction alone
-        return min(p.wait for p in self.balancer.predict(candidates, req)) <= self.config.hold_wait
+            return ()
+        preds = self.balancer.predict(candidates, req)
+        hold = self.config.hold_wait
+        if priority < DEFAULT_PRIORITY and self.clock() - self.top_seen.get(req.model, -1e18) < RESERVE_FOR:
+            # While interactive requests come, it must not slow their steps nor queue its prefill
+            # in front of theirs.
+            reserve = self.config.reserve
+            fit = [b for b, p in zip(candidates, preds)
+                   if p.wait <= hold and p.prefill_ahead <= LOW_PREFILL_AHEAD and (p.slots is None or p.free >= 1 + int(reserve * p.slots))]
+            return fit
+        if any(p.wait <= hold for p in preds) or any(b.in_flight == 0 for b in candidates):
+            # The policy chooses among all of them (it weighs the wait against speed and cache). An
+            # idle backend always takes work: the queue never waits on a prediction alone.
+            return candidates
+        return ()
 
     def _bind(self, candidates: Sequence[Backend], req: RequestInfo) -> Backend:
         b = self.balancer.pick(candidates, req)
@@ -216,9 +236,13 @@ class Admission:
         """Bind req to a backend now, or queue it (a ``Waiter``), or refuse it."""
         now = self.clock()
         q = self._queue(req.model)
+        if priority >= DEFAULT_PRIORITY:
+            self.top_seen[req.model] = now
         candidates = self.eligible(req.model)
-        if not q.waiting_at_or_above(priority) and self.room(candidates, req):
-            return self._bind(candidates, req)
+        if not q.waiting_at_or_above(priority):
+            fit = self.room(candidates, req, priority)
+            if fit:
+                return self._bind(fit, req)
         limit = self.config.wait_limit(priority)
         cls = q.cls(priority)
         rate = q.rate(now)
@@ -287,10 +311,11 @@ class Admission:
         for _ in range(len(q)):
             cls = next(c for _, c in q.by_priority())
             w = cls.pop()
-            if not self.room(candidates, w.req):
+            fit = self.room(candidates, w.req, w.priority)
+            if not fit:
                 cls.unpop(w)
                 break
-            w.backend = self._bind(candidates, w.req)
+            w.backend = self._bind(fit, w.req)
             metrics.QUEUE_WAIT.labels(priority=priority_name(w.priority)).observe(self.clock() - w.enqueued_at)
             bound.append(w)
         return bound

@@ -60,6 +60,9 @@ class Prediction:
     ttft: float  # until its first token: the wait for a slot or KV room, the prefill queue, its own prefill
     e2e: float  # until its last token
     wait: float  # the part of ttft spent waiting for a batch slot or KV room (0 when it starts at once)
+    slots: int | None = None  # the backend's batch slots, when known
+    free: float = float("inf")  # its batch slots not taken (by ours or others' sequences)
+    prefill_ahead: float = 0.0  # seconds of other requests' prefill queued before this one's
 
 
 def request_info(model: str, body: dict[str, Any]) -> RequestInfo:

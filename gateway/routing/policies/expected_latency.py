@@ -239,7 +239,8 @@ class ExpectedLatencyBalancer(Balancer):
             pen = self.config.kv_penalty * k / (1.0 - k)
             lat += pen
             ttft += pen
-        return Prediction(ttft=ttft, e2e=lat, wait=wait_s / ramp), depth
+        free = m.slots - len(rems) - m.ext if m.slots is not None else float("inf")
+        return Prediction(ttft=ttft, e2e=lat, wait=wait_s / ramp, slots=m.slots, free=free, prefill_ahead=self.rho * sigma * queued / ramp), depth
 
     def predict(self, candidates: Sequence[Backend], req: RequestInfo) -> list[Prediction]:
         """What each candidate would do with r if it were sent now."""
