@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+import time
 from typing import Any
 
 from .admin import AdminApp, LiveStats, ReloadRefused, RunningServer, split, start_server
@@ -22,11 +23,12 @@ from .filters.media import MediaPolicy
 from .filters.paths import PathPolicy
 from .listener import Listener
 from .local_routes import LocalRoutes, render_metrics
-from .routing.balancer import make_balancer
+from .routing.policies import make_balancer
 from .routing.discovery import DnsDiscovery, Resolver, system_resolver
 from .routing.pool import Backend, BackendPool
 from .routing.router import Router
-from .routing.signals import MetricsScraper
+from .routing.queue import Admission, GatewayQueue
+from .routing.signals import MetricsScraper, Signals
 from .state import make_store
 from .state.reload import KeysFileWatcher
 from .tracing import Tracing
@@ -57,6 +59,10 @@ class Gateway:
         self.control_client: Any = None
         # The upstream client needs a running loop: startup() gives the router its client.
         self.router = Router(self.pool, self.balancer, None, retries=config.balancer.retries)  # type: ignore[arg-type]
+        self.queue: GatewayQueue | None = None
+        if config.balancer.queue.enabled and self.balancer.predicts:
+            self.queue = self.router.queue = GatewayQueue(Admission(config.balancer.queue, self.balancer, self.pool.eligible, time.monotonic))
+        self.pool.on_change(self._pool_changed)
         self.launcher: Any = None
         for b in static_backends(config):
             self.pool.add(b)
@@ -76,6 +82,17 @@ class Gateway:
                 reload=self.reload,
                 launcher=lambda: self.launcher,
             )
+
+    def _pool_changed(self, b: Backend) -> None:
+        if self.pool.get(b.id) is not b:  # it left the pool: the policy's state about it goes too
+            self.balancer.forget(b.id)
+        if self.queue is not None:  # a backend back (or new) can take waiting requests
+            self.queue.wake()
+
+    def _observe_signals(self, b: Backend, signals: Signals, changed: bool) -> None:
+        self.balancer.observe_signals(b, signals, changed)
+        if self.queue is not None:
+            self.queue.wake()
 
     def asgi(self) -> Listener:
         if self._listener is None:
@@ -119,9 +136,9 @@ class Gateway:
             self.admin_server = await start_server(self.admin, admin.host, admin.port)
             log.info("admin listener on http://%s:%d (status page: /status)", admin.host, self.admin_server.port)
         interval = self.config.balancer.scrape_interval
-        if interval > 0 and hasattr(self.balancer, "observe_signals"):
+        if interval > 0 and self.balancer.reads_signals:
             # Backend gauges (queue, running, KV use) for the policies that read them.
-            self.scraper = MetricsScraper(lambda: self.pool, self.balancer.observe_signals, interval=interval, client=self.control_client)
+            self.scraper = MetricsScraper(lambda: self.pool, self._observe_signals, interval=interval, client=self.control_client)
             self.scraper.start()
         for d in self.discovery:
             await d.refresh()

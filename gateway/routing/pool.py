@@ -80,8 +80,6 @@ class Backend:
     check_interval: float | None = None  # its own /health interval (a launch group's); None: health.interval
     next_check: float = 0.0
     remote_in_flight: int = 0  # in flight through the other gateway replicas (the shared state store sums them)
-    # Free-form per-backend state owned by the balancer (EWMAs, reservations, scraped metrics).
-    stats: dict[str, Any] = field(default_factory=dict)
 
     def auth_headers(self) -> list[tuple[bytes, bytes]]:
         return [(b"authorization", b"Bearer " + self.api_key.encode())] if self.api_key else []
