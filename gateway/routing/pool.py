@@ -96,6 +96,9 @@ class BackendPool:
         self._periodic = Periodic("health-checks", self._check_due, self._tick, log)
         # Told when a backend leaves the pool, so per-backend state elsewhere (policies) is dropped.
         self.on_removed: list[Callable[[Backend], None]] = []
+        # Told of every change of membership, health, ejection or draining (the gateway queue wakes,
+        # the state layer shares ejections with the other replicas).
+        self._change_listeners: list[Callable[[Backend], None]] = []
         self._models_cache: tuple[int, frozenset[str]] | None = None
         self._version = 0
 
@@ -170,8 +173,16 @@ class BackendPool:
     def __len__(self) -> int:
         return len(self._backends)
 
+    def on_change(self, fn: Callable[[Backend], None]) -> None:
+        self._change_listeners.append(fn)
+
     def _changed(self, b: Backend) -> None:
         self._version += 1  # invalidates the healthy-models cache
+        for fn in self._change_listeners:
+            try:
+                fn(b)
+            except Exception:  # a listener must not break the pool's own bookkeeping
+                log.exception("pool on_change listener failed")
 
     # -- queries used per request ---------------------------------------------------------------
     def eligible(self, model: str, now: float | None = None) -> list[Backend]:
