@@ -38,7 +38,7 @@ from ..filters import RequestContext
 from ..upstream import UpstreamFailure, UpstreamResponse, UpstreamTimeout
 from .pd_policy import PDPicker
 from .pool import Backend, BackendPool
-from .balancer import Outcome
+from .policies import Outcome
 from .router import _read_sse_usage, _read_usage, backend_error
 
 log = logging.getLogger("gateway.disagg")
@@ -491,7 +491,6 @@ class PDDispatcher:
     ) -> int | None:
         self.picker.decode_started(d, tokens)
         d.in_flight += 1
-        start = time.monotonic()
         outcome = Outcome(status=0, ok=False)
         try:
             try:
@@ -548,7 +547,6 @@ class PDDispatcher:
             d.in_flight -= 1
             self.picker.decode_done(d, tokens)
             outcome.ok = progress["done"]
-            outcome.duration = time.monotonic() - start
             ctx.backend, ctx.outcome = d.id, outcome  # usage for the limits' settling, the access log and the trace
 
     async def _relay_stream(
