@@ -95,7 +95,8 @@ class Router:
                 return refusal.status
             if attempt == 0 and self.queue is not None:
                 # The queue binds the request to a backend (picked and dispatched) when one has room.
-                admitted = await self.queue.acquire(req, ctx.key.name if ctx.key else "", ctx.key.priority if ctx.key else DEFAULT_PRIORITY)
+                with tracing.child(ctx, "pick", candidates=len(candidates), queued=True):
+                    admitted = await self.queue.acquire(req, ctx.key.name if ctx.key else "", ctx.key.priority if ctx.key else DEFAULT_PRIORITY)
                 if isinstance(admitted, Refusal):
                     await reply(admitted)
                     return admitted.status

@@ -112,7 +112,18 @@ class Server:
         self.started = False
         self.connections: Connections | None = None
         self._stop: asyncio.Event | None = None
+        self._force: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.stop_signal: int | None = None  # the first signal that stopped it (SIGINT: exit 130)
+
+    def _on_signal(self, signum: int) -> None:
+        assert self._stop is not None and self._force is not None
+        if self._stop.is_set():  # an impatient second signal: stop draining, shut down now
+            log.warning("second signal: in-flight requests are cut off; stopping backends")
+            self._force.set()
+            return
+        self.stop_signal = signum
+        self._stop.set()
 
     def request_stop(self) -> None:
         """Begin the graceful shutdown; safe from any thread."""
@@ -122,6 +133,7 @@ class Server:
     async def run(self, install_signals: bool = True) -> int:
         loop = self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
+        self._force = asyncio.Event()
         lifespan = _Lifespan(self.app)
         failure = await lifespan.startup()
         if failure is not None:
@@ -131,7 +143,7 @@ class Server:
         servers = [await loop.create_server(lambda: HttpConnection(conns), sock=s, backlog=BACKLOG) for s in self.sockets]
         if install_signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, self._stop.set)
+                loop.add_signal_handler(sig, self._on_signal, sig)
         for s in self.sockets:
             host, port = s.getsockname()[:2]
             log.info("listening on http://%s:%d (at most %d connections)", host, port, self.limits.max_connections)
@@ -143,10 +155,15 @@ class Server:
             for srv in servers:
                 srv.close()
             conns.shutdown()
+            drained = loop.create_task(conns.empty.wait())
+            forced = loop.create_task(self._force.wait())
             try:
-                await asyncio.wait_for(conns.empty.wait(), self.limits.drain_timeout)
-            except asyncio.TimeoutError:
-                log.warning("%d connection(s) still open after the drain timeout: aborted", len(conns.open))
+                await asyncio.wait({drained, forced}, timeout=self.limits.drain_timeout, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                forced.cancel()
+                drained.cancel()
+            if conns.open:
+                log.warning("%d connection(s) still open after the drain: aborted", len(conns.open))
                 conns.abort_all()
             for srv in servers:
                 await srv.wait_closed()
@@ -154,7 +171,7 @@ class Server:
             if install_signals:
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     loop.remove_signal_handler(sig)
-        return 0
+        return 130 if self.stop_signal == signal.SIGINT else 0  # Ctrl-C: the shell's convention
 
 
 def new_loop() -> asyncio.AbstractEventLoop:
