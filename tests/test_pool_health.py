@@ -187,3 +187,23 @@ async def test_model_lists_are_bounded_in_bytes_count_and_id_length():
     models.respond(200, content=b'{"data": [' + b'{"id": "m"},' * 200_000 + b'{"id": "m"}]}')
     assert not await pool.check(b) and b.health_status == "models_unavailable"
     await client.aclose()
+
+
+async def test_ejections_are_told_to_listeners_and_can_be_applied_from_elsewhere():
+    a, b = backend(id="a", healthy=True), backend(id="b", healthy=True)
+    pool = BackendPool(HealthConfig(failures_to_eject=2, ejection_base=5.0))
+    pool.add(a)
+    pool.add(b)
+    told: list[tuple[str, float]] = []
+    pool.on_ejected.append(lambda gone, seconds: told.append((gone.id, seconds)))
+    pool.report_failure(a)
+    assert told == [] and pool.eligible("m") == [a, b]
+    pool.report_failure(a)
+    assert [t[0] for t in told] == ["a"] and 4.5 <= told[0][1] <= 5.5 and pool.eligible("m") == [b]
+    pool.eject("b", 3.0)  # another replica ejected it
+    assert pool.eligible("m") == [] and len(told) == 1
+    pool.eject("b", 1e9)  # a replica's word is bounded by our own longest backoff
+    import time
+
+    assert b.ejected_until - time.monotonic() <= 5.0 * 64 * 1.1
+    pool.eject("nobody", 3.0)

@@ -97,6 +97,8 @@ class BackendPool:
         self._periodic = Periodic("health-checks", self._check_due, self._tick, log)
         # Told when a backend leaves the pool, so per-backend state elsewhere (policies) is dropped.
         self.on_removed: list[Callable[[Backend], None]] = []
+        # Told (backend, seconds) when this pool ejects a backend, e.g. to share it with other replicas.
+        self.on_ejected: list[Callable[[Backend, float], None]] = []
         self._models_cache: tuple[int, frozenset[str]] | None = None
         self._version = 0
 
@@ -223,15 +225,26 @@ class BackendPool:
         b.consecutive_failures += 1
         if b.consecutive_failures >= self.health.failures_to_eject and b.ejected_until <= time.monotonic():
             b.ejections += 1
-            backoff = self.health.ejection_base * (2 ** min(b.ejections - 1, 6))
-            b.ejected_until = time.monotonic() + backoff * random.uniform(0.9, 1.1)
-            b.returned_at = b.ejected_until  # the balancer ramps it up slowly from then on
-            b.consecutive_failures = 0
-            log.warning(
-                "backend %s ejected for %.1fs after repeated failures", b.id, backoff,
-                extra={"fields": {"event": "backend_ejected", "backend": b.id, "seconds": round(backoff, 3), "ejections": b.ejections}},
-            )
-            self._changed(b)
+            backoff = self.health.ejection_base * (2 ** min(b.ejections - 1, 6)) * random.uniform(0.9, 1.1)
+            self._eject(b, backoff)
+            log.warning("backend %s ejected for %.1fs after repeated failures", b.id, backoff)
+            for fn in self.on_ejected:
+                try:
+                    fn(b, backoff)
+                except Exception:
+                    log.exception("pool on_ejected listener failed")
+
+    def eject(self, backend_id: str, seconds: float) -> None:
+        """Apply an ejection decided elsewhere (another replica); listeners are not told again."""
+        b = self._backends.get(backend_id)
+        if b is not None and seconds > 0 and time.monotonic() + seconds > b.ejected_until:
+            self._eject(b, min(seconds, self.health.ejection_base * 64 * 1.1))  # never longer than our own worst
+
+    def _eject(self, b: Backend, seconds: float) -> None:
+        b.ejected_until = time.monotonic() + seconds
+        b.returned_at = b.ejected_until  # the balancer ramps it up slowly from then on
+        b.consecutive_failures = 0
+        self._changed(b)
 
     def report_unreachable(self, b: Backend) -> None:
         """A connection refused: the process is gone; stop sending to it until a health check says otherwise."""
