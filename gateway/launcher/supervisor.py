@@ -195,6 +195,24 @@ class Launcher:
             inst.pid = None
             self._set_state(inst, "stopped")
 
+    async def restart(self, instance_id: str) -> bool:
+        """An operator's restart: end the instance's process and start a fresh one (not a failure)."""
+        inst = next((i for i in self.instances if i.id == instance_id), None)
+        if inst is None or self._stopping:
+            return False
+        if inst.task is not None:
+            inst.task.cancel()
+            await asyncio.gather(inst.task, return_exceptions=True)
+        self.pool.mark_down(inst.id, "restarting")
+        if inst.proc is not None and inst.proc.returncode is None:
+            await process.terminate(inst.proc, self.stop_grace)
+        inst.failures, inst.error = 0, None
+        inst.restarts += 1
+        metrics.LAUNCHED_RESTARTS.labels(instance=inst.id).inc()
+        self._set_state(inst, "restarting", "requested through the admin listener")
+        inst.task = asyncio.get_running_loop().create_task(self._supervise(inst), name=f"launch {inst.id}")
+        return True
+
     # -- reporting ----------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
         now = time.monotonic()

@@ -79,8 +79,7 @@ class Backend:
     in_flight: int = 0
     check_interval: float | None = None  # its own /health interval (a launch group's); None: health.interval
     next_check: float = 0.0
-    # Free-form per-backend state owned by the balancer (EWMAs, reservations, scraped metrics).
-    stats: dict[str, Any] = field(default_factory=dict)
+    remote_in_flight: int = 0  # in flight through the other gateway replicas (the shared state store sums them)
 
     def auth_headers(self) -> list[tuple[bytes, bytes]]:
         return [(b"authorization", b"Bearer " + self.api_key.encode())] if self.api_key else []
@@ -97,8 +96,9 @@ class BackendPool:
         self._periodic = Periodic("health-checks", self._check_due, self._tick, log)
         # Told when a backend leaves the pool, so per-backend state elsewhere (policies) is dropped.
         self.on_removed: list[Callable[[Backend], None]] = []
-        # Told (backend, seconds) when this pool ejects a backend, e.g. to share it with other replicas.
-        self.on_ejected: list[Callable[[Backend, float], None]] = []
+        # Told of every change of membership, health, ejection or draining (the gateway queue wakes,
+        # the state layer shares ejections with the other replicas).
+        self._change_listeners: list[Callable[[Backend], None]] = []
         self._models_cache: tuple[int, frozenset[str]] | None = None
         self._version = 0
 
@@ -173,8 +173,16 @@ class BackendPool:
     def __len__(self) -> int:
         return len(self._backends)
 
+    def on_change(self, fn: Callable[[Backend], None]) -> None:
+        self._change_listeners.append(fn)
+
     def _changed(self, b: Backend) -> None:
         self._version += 1  # invalidates the healthy-models cache
+        for fn in self._change_listeners:
+            try:
+                fn(b)
+            except Exception:  # a listener must not break the pool's own bookkeeping
+                log.exception("pool on_change listener failed")
 
     # -- queries used per request ---------------------------------------------------------------
     def eligible(self, model: str, now: float | None = None) -> list[Backend]:
@@ -227,15 +235,17 @@ class BackendPool:
             b.ejections += 1
             backoff = self.health.ejection_base * (2 ** min(b.ejections - 1, 6)) * random.uniform(0.9, 1.1)
             self._eject(b, backoff)
-            log.warning("backend %s ejected for %.1fs after repeated failures", b.id, backoff)
-            for fn in self.on_ejected:
-                try:
-                    fn(b, backoff)
-                except Exception:
-                    log.exception("pool on_ejected listener failed")
+            log.warning(
+                "backend %s ejected for %.1fs after repeated failures", b.id, backoff,
+                extra={"fields": {"event": "backend_ejected", "backend": b.id, "seconds": round(backoff, 3), "ejections": b.ejections}},
+            )
 
     def eject(self, backend_id: str, seconds: float) -> None:
-        """Apply an ejection decided elsewhere (another replica); listeners are not told again."""
+        """Apply an ejection decided elsewhere (another replica) instead of writing fields.
+
+        on_change listeners are told, as of any ejection: one that shares ejections must know this
+        one came from outside (``ejections`` is unchanged by it) and not send it back.
+        """
         b = self._backends.get(backend_id)
         if b is not None and seconds > 0 and time.monotonic() + seconds > b.ejected_until:
             self._eject(b, min(seconds, self.health.ejection_base * 64 * 1.1))  # never longer than our own worst

@@ -24,7 +24,9 @@ from .. import metrics, tracing
 from ..errors import Refusal, model_not_found, sse_error_event
 from ..filters import RequestContext
 from ..upstream import Upstream, UpstreamFailure, UpstreamInvalid, UpstreamResponse, UpstreamTimeout
-from .balancer import Balancer, Outcome, RequestInfo
+from ..config.balancer import DEFAULT_PRIORITY
+from .policies import Balancer, Outcome, RequestInfo
+from .queue import GatewayQueue
 from .pool import Backend, BackendPool
 
 log = logging.getLogger("gateway.router")
@@ -61,6 +63,7 @@ class Router:
         self.upstream = upstream
         self.retries = retries
         self._ttfb: dict[str, object] = {}
+        self.queue: GatewayQueue | None = None  # late binding, priorities and shedding; set by the Gateway
 
     def _observe_ttfb(self, kind: str, seconds: float) -> None:
         child = self._ttfb.get(kind)
@@ -90,9 +93,17 @@ class Router:
                 refusal = NO_BACKEND if self.pool.knows_model(model) else model_not_found(model)
                 await reply(refusal)
                 return refusal.status
-            with tracing.child(ctx, "pick", candidates=len(candidates)):
-                backend = self.balancer.pick(candidates, req)
-            self.balancer.dispatched(backend, req)
+            if attempt == 0 and self.queue is not None:
+                # The queue binds the request to a backend (picked and dispatched) when one has room.
+                admitted = await self.queue.acquire(req, ctx.key.name if ctx.key else "", ctx.key.priority if ctx.key else DEFAULT_PRIORITY)
+                if isinstance(admitted, Refusal):
+                    await reply(admitted)
+                    return admitted.status
+                backend = admitted
+            else:
+                with tracing.child(ctx, "pick", candidates=len(candidates)):
+                    backend = self.balancer.pick(candidates, req)
+                self.balancer.dispatched(backend, req)
             last = attempt == attempts - 1
             status = await self._attempt(backend, req, ctx, path, payload, headers, send, reply, last)
             if status is not None:
@@ -159,9 +170,10 @@ class Router:
             finally:
                 await response.aclose()
         finally:
-            ctx.outcome = outcome  # usage, for the state layer's settling
             self.balancer.completed(b, req, outcome)
-            ctx.backend, ctx.outcome = b.id, outcome  # for the access log and the trace
+            if self.queue is not None:
+                self.queue.completed(req.model)
+            ctx.backend, ctx.outcome = b.id, outcome  # for the access log, the trace and the state layer's settling
 
     async def _relay_whole(
         self,
