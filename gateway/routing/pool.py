@@ -145,18 +145,15 @@ class BackendPool:
 
     def undrain(self, backend_id: str) -> None:
         b = self._backends.get(backend_id)
-        if b is not None and b.draining:
-            b.draining = False
-            self._changed(b)
+        if b is not None:
+            self.set_draining(b, False)
 
     async def drain(self, backend_id: str, timeout: float | None = None) -> bool:
         """No new requests; return True once its in-flight ones completed (False at timeout)."""
         b = self._backends.get(backend_id)
         if b is None:
             return True
-        if not b.draining:
-            b.draining = True
-            self._changed(b)
+        self.set_draining(b, True)
         deadline = None if timeout is None else time.monotonic() + timeout
         while b.in_flight > 0:
             if deadline is not None and time.monotonic() >= deadline:
