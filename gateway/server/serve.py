@@ -30,12 +30,18 @@ class PortBusy(Exception):
     pass
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket, or PortBusy with a message that says what to do."""
+def bind(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
+    """A listening TCP socket, or PortBusy with a message that says what to do.
+
+    ``reuse_port``: several worker processes each bind their own socket to the same port
+    (SO_REUSEPORT) and the kernel spreads new connections over them.
+    """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
         sock.listen(BACKLOG)
     except OSError as exc:
