@@ -2,11 +2,11 @@
 
     request line  -> PathPolicy        (canonical target, exact route match)
     headers       -> ApiKeyAuth        (before any body byte is read)
-                  -> RateLimit         (per key)
                   -> BodyPolicy        (content type, declared length)
     body          -> BodyPolicy.parse  (strict JSON, caps, engine knobs removed)
                   -> model access      (the key's model list)
                   -> MediaPolicy       (every media URL base64 or on an allowed domain)
+                  -> RateLimit         (per key: rpm, tpm, concurrency, budget; settled at the end)
                   -> Router            (balancer, upstream, relay)
 
 Every refusal is rendered in the route's error shape. No client header other than an allow-list
@@ -91,7 +91,7 @@ class Listener:
         shutdown: Lifecycle | None = None,
         cors: CorsPolicy | None = None,
         tracer: tracing.Tracing | None = None,
-        observe: Callable[[RequestContext, int, float], None] | None = None,
+        observe: Callable[[RequestContext | None, int, float, str | None], None] | None = None,
     ):
         self.paths = paths
         self.auth = auth
@@ -107,7 +107,7 @@ class Listener:
         self._shutdown = shutdown
         self.cors = cors
         self.tracer = tracer if tracer is not None and tracer.enabled else None
-        self.observe = observe  # e.g. the admin listener's live stats: (ctx, status, seconds)
+        self.observe = observe  # e.g. the admin listener's live stats: (ctx or None if unrouted, status, seconds, refusal reason)
         self._counters: dict[tuple[str, int], Any] = {}
         self._histograms: dict[str, Any] = {}
 
@@ -122,7 +122,15 @@ class Listener:
     # -- lifespan ---------------------------------------------------------------------------
     async def lifespan(self, receive: Receive, send: Send) -> None:
         while True:
-            message = await receive()
+            try:
+                message = await receive()
+            except asyncio.CancelledError:
+                # A forced stop (a second Ctrl-C) skips the shutdown message: still stop what
+                # start-up started (launched backends), and end quietly rather than with a traceback.
+                if self._shutdown is not None:
+                    log.warning("forced to stop: stopping launched backends now")
+                    await self._shutdown()
+                return
             if message["type"] == "lifespan.startup":
                 try:
                     if self._startup is not None:
@@ -172,8 +180,8 @@ class Listener:
             if histogram is None:
                 histogram = self._histograms[kind] = metrics.LATENCY.labels(route=kind)
             histogram.observe(elapsed)
-        if self.observe is not None and ctx is not None:
-            self.observe(ctx, status, elapsed)
+        if self.observe is not None:
+            self.observe(ctx, status, elapsed, reason)
         if self.access_log:
             self._log_access(scope, ctx, status, elapsed, rid, reason)
 

@@ -137,13 +137,13 @@ class TestKeys:
 class GatewayServer:
     """The gateway on our HTTP/1.1 server (uvloop) in a thread, on a free loopback port."""
 
-    def __init__(self, config: dict[str, Any], *, wait_healthy: bool = True):
+    def __init__(self, config: dict[str, Any], *, wait_healthy: bool = True, **gateway_options: Any):
         config = dict(config)
         self.port = free_port()
         config.setdefault("server", {})
         config["server"] = {**config["server"], "host": "127.0.0.1", "port": self.port}
         self.config = parse_config(config, base_dir=ROOT)
-        self.gateway = Gateway(self.config)
+        self.gateway = Gateway(self.config, **gateway_options)
         self.url = f"http://127.0.0.1:{self.port}"
         sock = http_server.bind("127.0.0.1", self.port)
         self.server = http_server.Server(self.gateway.asgi(), self.config.server, drain=self.config.timeouts.drain, sockets=[sock])

@@ -14,6 +14,7 @@ from ..media.url import DomainSet
 from .fields import ConfigError, Problems, Section
 from .media import read_domain_set
 from .operate import CorsConfig, read_cors
+from .balancer import DEFAULT_PRIORITY, parse_priority
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 HTTP_SERVERS = ("native", "uvicorn")
@@ -70,6 +71,7 @@ class ApiKeyConfig:
     expires_at: float | None = None  # unix time; refused from then on
     disabled: bool = False  # revoked: kept for the record, refused
     created_at: float | None = None
+    priority: int = DEFAULT_PRIORITY  # queue class: interactive (10), batch (0) or 0-100; higher is served first
     if TYPE_CHECKING:
         media_domains: DomainSet | None  # set by __post_init__; not a field, so records carry the texts only
 
@@ -179,10 +181,14 @@ def _read_key(s: Section, index: int) -> ApiKeyConfig | None:
     expires = s.number("expires_at", None, min=0)
     disabled = s.bool("disabled", False)
     created = s.number("created_at", None, min=0)
+    priority = parse_priority(s.raw("priority", DEFAULT_PRIORITY))
+    if isinstance(priority, str):
+        s.error("priority", priority)
+        priority = DEFAULT_PRIORITY
     s.finish()
     if not KEY_NAME.match(name):
         s.error("name", f"{name[:40]!r} is not a valid key name; use 1-64 letters, digits, '.', '_', '-' or '@'")
-    if digest is None:
+    if not isinstance(digest, str):  # missing (already reported) or not a string
         return None
     norm = digest.strip().lower()
     if not _HASH.match(norm):
@@ -205,6 +211,7 @@ def _read_key(s: Section, index: int) -> ApiKeyConfig | None:
         expires_at=expires,
         disabled=disabled,
         created_at=created,
+        priority=priority,
     )
 
 
