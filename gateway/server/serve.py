@@ -163,6 +163,34 @@ class Server:
         return 0
 
 
+class Serving:
+    """A server started in a running loop by ``start()``: no lifespan, no signal handlers."""
+
+    def __init__(self, servers: list[asyncio.base_events.Server], connections: Connections, sockets: list[socket.socket]):
+        self.servers, self.connections, self.sockets = servers, connections, sockets
+        self.port: int = sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        """Stop accepting, let in-flight requests finish up to the drain timeout, close the rest."""
+        for srv in self.servers:
+            srv.close()
+        self.connections.shutdown()
+        try:
+            await asyncio.wait_for(self.connections.empty.wait(), self.connections.limits.drain_timeout)
+        except asyncio.TimeoutError:
+            self.connections.abort_all()
+        for srv in self.servers:
+            await srv.wait_closed()
+
+
+async def start(app: Any, cfg: ServerConfig, *, drain: float, sockets: list[socket.socket]) -> Serving:
+    """Serve ``app`` on ``sockets`` in this loop with the same bounds, e.g. a second (admin) port."""
+    loop = asyncio.get_running_loop()
+    conns = Connections(app, ServerLimits.from_config(cfg, drain), loop)
+    servers = [await loop.create_server(lambda: HttpConnection(conns), sock=s, backlog=BACKLOG) for s in sockets]
+    return Serving(servers, conns, sockets)
+
+
 def new_loop() -> asyncio.AbstractEventLoop:
     try:
         import uvloop
