@@ -30,12 +30,18 @@ class PortBusy(Exception):
     pass
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket, or PortBusy with a message that says what to do."""
+def bind(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
+    """A listening TCP socket, or PortBusy with a message that says what to do.
+
+    ``reuse_port``: several worker processes each bind their own socket to the same port
+    (SO_REUSEPORT) and the kernel spreads new connections over them.
+    """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
         sock.listen(BACKLOG)
     except OSError as exc:
@@ -172,6 +178,34 @@ class Server:
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     loop.remove_signal_handler(sig)
         return 130 if self.stop_signal == signal.SIGINT else 0  # Ctrl-C: the shell's convention
+
+
+class Serving:
+    """A server started in a running loop by ``start()``: no lifespan, no signal handlers."""
+
+    def __init__(self, servers: list[asyncio.base_events.Server], connections: Connections, sockets: list[socket.socket]):
+        self.servers, self.connections, self.sockets = servers, connections, sockets
+        self.port: int = sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        """Stop accepting, let in-flight requests finish up to the drain timeout, close the rest."""
+        for srv in self.servers:
+            srv.close()
+        self.connections.shutdown()
+        try:
+            await asyncio.wait_for(self.connections.empty.wait(), self.connections.limits.drain_timeout)
+        except asyncio.TimeoutError:
+            self.connections.abort_all()
+        for srv in self.servers:
+            await srv.wait_closed()
+
+
+async def start(app: Any, cfg: ServerConfig, *, drain: float, sockets: list[socket.socket]) -> Serving:
+    """Serve ``app`` on ``sockets`` in this loop with the same bounds, e.g. a second (admin) port."""
+    loop = asyncio.get_running_loop()
+    conns = Connections(app, ServerLimits.from_config(cfg, drain), loop)
+    servers = [await loop.create_server(lambda: HttpConnection(conns), sock=s, backlog=BACKLOG) for s in sockets]
+    return Serving(servers, conns, sockets)
 
 
 def new_loop() -> asyncio.AbstractEventLoop:
