@@ -29,7 +29,7 @@ import orjson
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, ResponseError
 
 from ..config import ApiKeyConfig, ConfigError
 from . import stats
@@ -382,26 +382,42 @@ class RedisStore(StateStore):
         return self.fallback.admit(key, reserve, lease, share), False, share
 
     async def _eval_many(self, op: str, calls: list[tuple[Any, list[str], list[Any]]]) -> list[Any]:
-        """Run scripts in one pipeline by EVALSHA (no SCRIPT EXISTS round trip first); a Redis that
-        lost its scripts (restarted) gets them loaded and the batch re-run once. Results may hold
-        per-call exceptions."""
+        """Run scripts as one batch of EVALSHA commands on one connection: one write, one round
+        trip. The commands are packed here (redis-py's general packer costs more than the rest of
+        the request); a Redis that lost its scripts (restarted) gets them loaded and the batch
+        re-run once. Results may hold per-call exceptions."""
         for attempt in (0, 1):
-            pipe = self.r.pipeline(transaction=False)
+            buf: list[bytes] = []
             for script, keys, args in calls:
-                pipe.evalsha(script.sha, len(keys), *keys, *args)
-            try:
-                results = await self._call(op, pipe.execute(raise_on_error=False))
-            finally:
-                try:
-                    await pipe.reset()
-                except Exception:
-                    pass
+                items = [b"EVALSHA", script.sha.encode(), b"%d" % len(keys), *[k.encode() for k in keys], *[_arg(a) for a in args]]
+                buf.append(b"*%d\r\n" % len(items))
+                for item in items:
+                    buf += (b"$%d\r\n" % len(item), item, b"\r\n")
+            results = await self._call(op, self._send_raw(b"".join(buf), len(calls)))
             if attempt == 0 and any(isinstance(r, NoScriptError) for r in results):
                 for script in {id(c[0]): c[0] for c in calls}.values():
                     script.sha = await self._call("script_load", self.r.script_load(script.script))
                 continue
             return results
         raise AssertionError("unreachable")
+
+    async def _send_raw(self, packed: bytes, n: int) -> list[Any]:
+        pool = self.r.connection_pool
+        conn = await pool.get_connection()
+        try:
+            await conn.send_packed_command(packed, check_health=False)
+            out: list[Any] = []
+            for _ in range(n):
+                try:
+                    out.append(await conn.read_response())
+                except ResponseError as exc:  # an error reply to one command; the rest still follow
+                    out.append(exc)
+        except BaseException:
+            await conn.disconnect()  # half read: it must not go back to the pool as it is
+            raise
+        finally:
+            await pool.release(conn)
+        return out
 
     def _send_admits(self) -> None:
         """Every admission asked for in this turn of the loop goes in one pipeline: one connection,
@@ -599,3 +615,11 @@ async def _hgetall_many(r: Any, keys: list[str]) -> list[dict[Any, Any]]:
     for k in keys:
         pipe.hgetall(k)
     return await pipe.execute()
+
+
+def _arg(a: Any) -> bytes:
+    if isinstance(a, bytes):
+        return a
+    if isinstance(a, int):
+        return b"%d" % a
+    return str(a).encode()
