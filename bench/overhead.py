@@ -2,7 +2,9 @@
 
 Targets, all against the same very fast fake backend (bench/fake_backend.py):
   direct            the backend itself: the limit
-  gateway                  auth, path/body/media policy, balancer, our HTTP/1.1 client (the default)
+  gateway                  auth, path/body/media policy, balancer, our HTTP/1.1 client (the default),
+                           on our HTTP/1.1 server (gateway/server, the default)
+  gateway/uvicorn          the same on uvicorn (server.http: uvicorn), to weigh our server against it
   gateway[aiohttp]         the same with an aiohttp ClientSession
   (the httpx transports were dropped: they cannot enforce response framing, see gateway/upstream.py)
   lmdeploy-proxy    `lmdeploy serve proxy`, when lmdeploy is installed
@@ -162,12 +164,12 @@ def redis_commands(port: int) -> int:
     return sum(v.get("calls", 0) for k, v in stats.items() if k in ("cmdstat_evalsha", "cmdstat_eval"))
 
 
-def gateway_config(path: Path, backend_port: int, key_hash: str, transport: str, state: dict | None = None) -> None:
+def gateway_config(path: Path, backend_port: int, key_hash: str, transport: str, http: str = "native", state: dict | None = None) -> None:
     key = {"name": "bench", "hash": key_hash}
     if state is not None:
         key.update(STATE_LIMITS)
     cfg = {
-        "server": {"log_level": "warning"},
+        "server": {"log_level": "warning", "http": http},
         "auth": {"keys": [key]},
         "backends": [{"url": f"http://127.0.0.1:{backend_port}", "models": [MODEL]}],
         "upstream": {"transport": transport},
@@ -182,7 +184,7 @@ def gateway_config(path: Path, backend_port: int, key_hash: str, transport: str,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--duration", type=float, default=5.0, help="seconds per measurement")
-    ap.add_argument("--targets", default="direct,gateway,gateway[aiohttp],lmdeploy-proxy")
+    ap.add_argument("--targets", default="direct,gateway,gateway/uvicorn,gateway[aiohttp],lmdeploy-proxy")
     ap.add_argument("--concurrency", default="1,32")
     local = ROOT / ".venv-lmdeploy" / "bin" / "lmdeploy"
     smg_local = ROOT / ".venv-smg" / "bin" / "smg"
@@ -233,10 +235,11 @@ def main() -> None:
                         wait_http(f"http://127.0.0.1:{port}/ready", timeout=60)
                     url, k = f"http://127.0.0.1:{port}/v1/chat/completions", key
                 elif target.startswith("gateway"):
-                    transport = target[len("gateway["):-1] if "[" in target else "native"
+                    name, _, http = target.partition("/")  # gateway[transport]/server
+                    transport = name[len("gateway["):-1] if "[" in name else "native"
                     port = free_port()
-                    cfg = tmp / f"{transport}.yaml"
-                    gateway_config(cfg, backend_port, hash_key(key), transport)
+                    cfg = tmp / f"{transport}-{http or 'native'}.yaml"
+                    gateway_config(cfg, backend_port, hash_key(key), transport, http or "native")
                     pid = stack.enter_context(process([sys.executable, "-m", "gateway", "serve", "--config", str(cfg), "--port", str(port)])).pid
                     wait_http(f"http://127.0.0.1:{port}/ready")
                     url, k = f"http://127.0.0.1:{port}/v1/chat/completions", key
