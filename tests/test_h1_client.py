@@ -14,6 +14,8 @@ from gateway.config import TimeoutsConfig
 from gateway.upstream import NativeUpstream, UpstreamFailure
 from support import free_port, wait_until
 
+pytestmark = pytest.mark.e2e
+
 
 async def app(scope, receive, send):
     if scope["type"] != "http":

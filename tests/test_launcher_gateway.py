@@ -16,6 +16,8 @@ import yaml
 
 from support import ROOT, GatewayServer, alive, free_port, gateway_config, wait_until
 
+pytestmark = pytest.mark.e2e
+
 LAUNCH = {"model": "sim-model", "model_name": "chat", "engine": "sim", "health_interval": 0.2, "restart_backoff": 0.05}
 
 

@@ -34,7 +34,7 @@ from support import alive
 
 ROOT = Path(__file__).resolve().parent.parent
 FAKE_LMDEPLOY = ROOT / "tests" / "fixtures" / "fake_lmdeploy"
-pytestmark = pytest.mark.asyncio(loop_scope="session")  # the loop the async fixtures use
+pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="session")]  # the loop the async fixtures use
 
 FAST = {"health_interval": 0.2, "restart_backoff": 0.05, "restart_backoff_max": 0.2}
 

@@ -27,6 +27,8 @@ from gateway.sim.engine import Engine, EngineLimits, Timing, step_seconds
 from gateway.sim.prefix_cache import PrefixCache
 from gateway.sim.tokens import count_text_tokens, text_prompt
 
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "sim-model"
 JSON = {"content-type": "application/json"}

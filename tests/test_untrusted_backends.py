@@ -19,6 +19,8 @@ import pytest
 
 from support import GatewayServer, gateway_config, wait_until
 
+pytestmark = pytest.mark.e2e
+
 MODEL = "test-model"
 CAP = 1 << 20  # upstream.max_response_bytes in these tests
 LINE_CAP = 64 * 1024
