@@ -1,6 +1,6 @@
 """Test harness: real servers on loopback sockets.
 
-- ``Sim``: a simulated api_server in its own process (``python -m gateway.sim``).
+- ``Sim``: a simulated api_server in its own process (``gateway.sim.process.SimProcess``, shared with bench/).
 - ``GatewayServer``: the gateway under uvicorn in a background thread, from a config dict.
 Both are context managers and stop what they started; every wait is bounded.
 """
@@ -8,11 +8,6 @@ Both are context managers and stop what they started; every wait is bounded.
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -24,14 +19,9 @@ import uvicorn
 from gateway.app import Gateway
 from gateway.config import parse_config
 from gateway.filters.auth import hash_key, new_key
+from gateway.sim.process import SimProcess, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def alive(pid: int) -> bool:
@@ -53,72 +43,15 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.02, what: s
     raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
 
 
-class Sim:
-    """A simulated api_server subprocess on a free loopback port."""
+class Sim(SimProcess):
+    """A simulated api_server subprocess on a free loopback port (``gateway.sim.process.SimProcess``)."""
 
     def __init__(self, model: str = "test-model", *args: str, api_key: str | None = None, port: int | None = None, ready: bool = True):
-        self.model = model
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.api_key = api_key
-        argv = [sys.executable, "-m", "gateway.sim", "--port", str(self.port), "--model", model, *args]
-        if api_key:
-            argv += ["--api-keys", api_key]
-        self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-        self.client = httpx.Client(base_url=self.url, timeout=10.0)
-        if ready:
-            self.wait_ready()
+        super().__init__(*args, model=model, api_key=api_key, port=port, ready=ready)
 
-    def wait_ready(self, timeout: float = 15.0) -> None:
-        def up() -> bool:
-            if self.proc.poll() is not None:
-                err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
-                raise RuntimeError(f"sim exited with {self.proc.returncode}: {err[-2000:]}")
-            try:
-                return self.client.get("/health").status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_until(up, timeout, 0.05, f"sim on port {self.port}")
-
-    def requests(self) -> list[dict[str, Any]]:
-        return self.client.get("/_sim/requests").json()
-
-    def clear(self) -> None:
-        self.client.delete("/_sim/requests")
-
-    def control(self, **settings: Any) -> dict[str, Any]:
-        r = self.client.post("/_sim/control", json=settings)
-        r.raise_for_status()
-        return r.json() if r.content else {}
-
-    def stats(self) -> dict[str, Any]:
-        return self.client.get("/_sim/stats").json()
-
-    def stop(self) -> None:
-        self.client.close()
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(5)
-        if self.proc.stderr:
-            self.proc.stderr.close()
-
-    def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(5)
-
-    def __enter__(self) -> "Sim":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
+    @property
+    def client(self) -> httpx.Client:
+        return self.http
 
 
 class TestKeys:

@@ -10,8 +10,6 @@ import asyncio
 import contextlib
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -25,6 +23,7 @@ import pytest
 from gateway.sim.config import parse_args
 from gateway.sim.engine import Engine, EngineLimits, Timing, step_seconds
 from gateway.sim.prefix_cache import PrefixCache
+from gateway.sim.process import SimProcess, free_port
 from gateway.sim.tokens import count_text_tokens, text_prompt
 
 pytestmark = pytest.mark.e2e
@@ -33,12 +32,6 @@ ROOT = Path(__file__).resolve().parent.parent
 MODEL = "sim-model"
 JSON = {"content-type": "application/json"}
 ANTHROPIC = {"content-type": "application/json", "anthropic-version": "2023-06-01"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait(predicate: Any, timeout: float = 10.0, what: str = "condition") -> None:
@@ -50,52 +43,12 @@ def _wait(predicate: Any, timeout: float = 10.0, what: str = "condition") -> Non
     raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
 
 
-class SimProc:
-    """One simulator subprocess; ``stop()`` always leaves no process behind."""
+class SimProc(SimProcess):
+    """One simulator subprocess logging to ``tmp``; ``stop()`` always leaves no process behind."""
 
     def __init__(self, tmp: Path, *args: str, ready: bool = True) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tmp / f"sim-{self.port}.log"
-        argv = [sys.executable, "-m", "gateway.sim", "--port", str(self.port), "--model", MODEL, *args]
-        with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-        self.http = httpx.Client(base_url=self.url, timeout=10.0)
-        if ready:
-            _wait(self._healthy, 15.0, f"sim on port {self.port}")
-
-    def _healthy(self) -> bool:
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"sim exited {self.proc.returncode}: {self.output()[-2000:]}")
-        try:
-            return self.http.get("/health").status_code == 200
-        except httpx.TransportError:
-            return False
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def control(self, **settings: Any) -> dict[str, Any]:
-        r = self.http.post("/_sim/control", json=settings)
-        assert r.status_code == 200, r.text
-        return r.json()
-
-    def stats(self) -> dict[str, Any]:
-        return self.http.get("/_sim/stats").json()
-
-    def requests(self) -> list[dict[str, Any]]:
-        return self.http.get("/_sim/requests").json()
-
-    def stop(self) -> int:
-        self.http.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(8)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        return self.proc.returncode
+        port = free_port()
+        super().__init__(*args, model=MODEL, port=port, ready=ready, log=tmp / f"sim-{port}.log")
 
 
 @contextlib.contextmanager
