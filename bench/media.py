@@ -7,7 +7,11 @@ Baselines from the same run: ``orjson.loads`` of the body, and the gateway's own
 The policy runs twice per row, with the magic-byte check off (the old default) and on (the
 default since it decodes only the first bytes of each item), so its cost shows side by side.
 
-    python bench/media.py [--repeat 7] [--quick]
+With ``--fetch`` it also measures ``fetch: inline``: one request naming a 1 MiB PNG on a local
+TLS server (throw-away CA from trustme, a test extra; loopback let through for the bench only),
+fetched, sniffed and inlined, beside the same request sent with the image inline by the client.
+
+    python bench/media.py [--repeat 7] [--quick] [--fetch]
 """
 
 from __future__ import annotations
@@ -115,6 +119,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--quick", action="store_true", help="3 repeats of shorter loops")
+    ap.add_argument("--fetch", action="store_true", help="also measure fetch: inline against a local TLS server")
     args = ap.parse_args()
     budget = 0.05 if args.quick else 0.2
     if args.quick:
@@ -152,6 +157,80 @@ def main() -> None:
             f"{magic:>10}  {t_on / t_json:12.2f}x"
         )
     magic_alone(args.repeat, budget)
+    if args.fetch:
+        inline_fetch(args.repeat, 5 if args.quick else 20)
+
+
+def inline_fetch(repeat: int, n: int) -> None:
+    """Per-request cost of fetch: inline for one 1 MiB image, beside the client sending it inline."""
+    import asyncio
+    import http.server
+    import ssl
+    import threading
+
+    import trustme
+
+    from gateway.media.addresses import is_global_address
+    from gateway.media.fetch import MediaFetcher
+
+    png = b"\x89PNG\r\n\x1a\n" + os.urandom(1024 * 1024 - 8)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def do_GET(self) -> None:  # noqa: N802
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(png)))
+            self.end_headers()
+            self.wfile.write(png)
+
+    ca = trustme.CA()
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("media.bench").configure_cert(server_ctx)
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd.daemon_threads = True
+    httpd.socket = server_ctx.wrap_socket(httpd.socket, server_side=True)
+    port = httpd.server_address[1]
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        client_ctx = ssl.create_default_context()
+        ca.configure_trust(client_ctx)
+
+        async def resolve(host: str, p: int) -> list[str]:
+            return ["127.0.0.1"]
+
+        fetcher = MediaFetcher(resolver=resolve, ssl_context=client_ctx, address_allowed=lambda a: a == "127.0.0.1" or is_global_address(a))
+        inline = MediaPolicy(MediaConfig(allowed_domains=(f"media.bench:{port}",), fetch="inline"), fetcher=fetcher)
+        plain = MediaPolicy(MediaConfig(allowed_domains=(f"media.bench:{port}",)))
+        route = ROUTES[("POST", "/v1/chat/completions")]
+        by_url = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"https://media.bench:{port}/cat.png"}}]}]}
+        by_data = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png).decode()}}]}]}
+
+        async def timed(policy: MediaPolicy, body: dict[str, Any]) -> float:
+            best = float("inf")
+            for _ in range(repeat):
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    ctx = RequestContext({}, route, {})
+                    ctx.body = orjson.loads(orjson.dumps(body))
+                    assert await policy.check_body_async(ctx) is None
+                best = min(best, (time.perf_counter() - t0) / n)
+            return best
+
+        async def both() -> tuple[float, float]:
+            return await timed(plain, by_data), await timed(inline, by_url)
+
+        t_data, t_fetch = asyncio.run(both())
+        print(f"\nfetch: inline, one 1 MiB PNG per request (best of {repeat} x {n}; includes copying the body):")
+        print(f"  client sends it inline (data: URL, checked)          {fmt(t_data):>12}")
+        print(f"  gateway fetches it (TLS on loopback, sniff, base64)  {fmt(t_fetch):>12}")
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(10)
 
 
 def magic_alone(repeat: int, budget: float) -> None:

@@ -349,7 +349,7 @@ def test_each_hop_is_resolved_once_and_the_connection_pinned(server: MediaServer
     assert calls == ["media.test", "img.cdn.test"]
 
 
-def test_redirect_target_resolving_to_a_private_address_is_refused(server: MediaServer, client_ssl: ssl.SSLContext, ca: trustme.CA):
+def test_redirect_target_resolving_to_a_private_address_is_refused(server: MediaServer, client_ssl: ssl.SSLContext):
     answers = {**ANSWERS, "img.cdn.test": ["192.168.1.5"]}
     f = MediaFetcher(resolver=resolver_for(answers), ssl_context=client_ssl, address_allowed=loopback_for_tests)
     with pytest.raises(Exception) as exc:

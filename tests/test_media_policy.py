@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from gateway.config import ApiKeyConfig, AuthConfig, ConfigError, parse_config
+from gateway.config import ApiKeyConfig, ConfigError, parse_config
 from gateway.config.fields import Problems, Section
 from gateway.config.media import MediaConfig, read_media
 from gateway.filters import RequestContext
@@ -944,6 +944,18 @@ def test_config_stores_parsed_domain_sets_for_the_gateway_and_every_key():
     assert policy.domains_for(ctx) is key.media_domains, "the key's parsed set is used as is, never re-parsed per request"
     assert policy.check_body(ctx).reason == "domain_not_allowed"
     assert policy.check_body(context("chat", chat(img("https://narrow.example.com/a.png")), key)) is None
+
+
+def test_a_stored_key_record_carries_the_domain_texts_and_reads_back_parsed():
+    import yaml
+
+    from gateway.state.keys import key_from_record, key_to_record
+
+    key = ApiKeyConfig(name="k", hash="sha256:" + "4" * 64, media_allowed_domains=("narrow.example.com", "*.cdn.example.org"))
+    record = key_to_record(key)
+    assert record["media_allowed_domains"] == ["narrow.example.com", "*.cdn.example.org"] and "media_domains" not in record
+    back = key_from_record(yaml.safe_load(yaml.safe_dump(record)))
+    assert back == key and back.media_domains == key.media_domains and isinstance(back.media_domains, DomainSet)
 
 
 def test_a_key_built_in_code_with_a_bad_entry_fails_loudly():

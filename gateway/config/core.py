@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import yaml
@@ -57,12 +58,14 @@ class ApiKeyConfig:
     expires_at: float | None = None  # unix time; refused from then on
     disabled: bool = False  # revoked: kept for the record, refused
     created_at: float | None = None
-    # media_allowed_domains parsed once (gateway/media/url.py); a bad entry raises ValueError here
-    media_domains: DomainSet | None = field(default=None, compare=False, repr=False)
+    if TYPE_CHECKING:
+        media_domains: DomainSet | None  # set by __post_init__; not a field, so records carry the texts only
 
     def __post_init__(self) -> None:
-        if self.media_domains is None and self.media_allowed_domains is not None:
-            object.__setattr__(self, "media_domains", DomainSet.parse(self.media_allowed_domains))
+        # media_allowed_domains parsed once, when the key is made (gateway/media/url.py); a bad entry raises
+        # ValueError here (config loading has reported it with its field by then).
+        domains = DomainSet.parse(self.media_allowed_domains) if self.media_allowed_domains is not None else None
+        object.__setattr__(self, "media_domains", domains)
 
     @property
     def limited(self) -> bool:
@@ -169,7 +172,6 @@ def _read_key(s: Section, index: int) -> ApiKeyConfig | None:
         hash=norm,
         models=tuple(models) if models is not None else None,
         media_allowed_domains=media_domains.texts if media_domains is not None else None,
-        media_domains=media_domains,
         rate_limit_rpm=rpm,
         admin=admin,
         rate_limit_tpm=tpm,

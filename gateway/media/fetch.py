@@ -36,7 +36,7 @@ from .url import DomainSet, MediaUrl, join_location, parse_media_url
 __all__ = ["Budget", "MediaFetcher"]
 
 REDIRECTS = frozenset({301, 302, 303, 307, 308})
-_READ = 65536
+_READ = 262144
 _MAX_INFORMATIONAL = 8
 
 
@@ -157,7 +157,8 @@ class MediaFetcher:
         headers = [("Host", host), ("User-Agent", "lmdeploy-gateway"), ("Accept", "*/*"), ("Accept-Encoding", "identity"), ("Connection", "close")]
         try:
             writer.write(conn.send(h11.Request(method="GET", target=url.target, headers=headers)) + conn.send(h11.EndOfMessage()))
-            status, got, chunks, size, informational = 0, {}, [], 0, 0
+            status, got, informational = 0, {}, 0
+            body = bytearray()  # one growing buffer: a server that trickles bytes cannot make many small objects
             while True:
                 event = conn.next_event()
                 if event is h11.NEED_DATA:
@@ -179,13 +180,12 @@ class MediaFetcher:
                     if length is not None and length.isdigit() and int(length) > max_bytes:
                         raise MediaRefused("media_item_too_large", f"the media host announced {int(length)} bytes, over the limit of {max_bytes} bytes per item")
                 elif isinstance(event, h11.Data):
-                    size += len(event.data)
-                    if size > max_bytes:
+                    if len(body) + len(event.data) > max_bytes:
                         raise MediaRefused("media_item_too_large", f"the fetched item is over the limit of {max_bytes} bytes per item")
                     budget.take(len(event.data) * copies)
-                    chunks.append(bytes(event.data))
+                    body += event.data
                 elif isinstance(event, h11.EndOfMessage):
-                    return status, got, b"".join(chunks)
+                    return status, got, bytes(body)
                 else:  # ConnectionClosed before the end of the message
                     raise MediaRefused("fetch_bad_response", "the media host closed the connection before the response was complete")
         except h11.ProtocolError:
