@@ -7,11 +7,12 @@ Both are context managers and stop what they started; every wait is bounded.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, AsyncIterator, Iterator
 
 import httpx
 import uvicorn
@@ -19,6 +20,7 @@ import uvicorn
 from gateway.app import Gateway
 from gateway.config import parse_config
 from gateway.filters.auth import hash_key, new_key
+from gateway.launcher.guard import group_members
 from gateway.sim.process import SimProcess, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,6 +54,32 @@ class Sim(SimProcess):
     @property
     def client(self) -> httpx.Client:
         return self.http
+
+
+def launched_pids(launcher: Any) -> set[int]:
+    """Every process of every launched instance: its guard and the guard's whole process group."""
+    return {p for inst in launcher.instances if inst.pid for p in (inst.pid, *group_members(inst.pid))}
+
+
+@contextlib.asynccontextmanager
+async def launched(launcher: Any, stop_grace: float = 5.0, *, processes: bool = True) -> AsyncIterator[set[int]]:
+    """Start a ``Launcher``; on the way out stop it and wait (bounded) until none of its processes is alive.
+
+    Yields a set the test may add pids to (say, of an instance that later died); the processes
+    still running at the end are added to it. ``processes=False``: the test may end with none.
+    """
+    pids: set[int] = set()
+    await launcher.start()
+    try:
+        yield pids
+    finally:
+        pids |= launched_pids(launcher)
+        await launcher.stop(stop_grace)
+    assert pids or not processes, "the launcher ran no process: this test checks nothing"
+    deadline = time.monotonic() + 5.0
+    while any(alive(p) for p in pids):
+        assert time.monotonic() < deadline, f"pids {sorted(p for p in pids if alive(p))} outlived stop()"
+        await asyncio.sleep(0.02)
 
 
 class TestKeys:
