@@ -1,6 +1,6 @@
 """Test harness: real servers on loopback sockets.
 
-- ``Sim``: a simulated api_server in its own process (``gateway.sim.process.SimProcess``, shared with bench/).
+- ``Sim``: a simulated api_server in its own process (``python -m gateway.sim``).
 - ``GatewayServer``: the gateway under uvicorn in a background thread, from a config dict.
 Both are context managers and stop what they started; every wait is bounded.
 """

@@ -1,30 +1,82 @@
 """Processes of the routing bench: simulated backends and one gateway per policy, all on loopback.
 
-Both are ``gateway.sim.process`` helpers, the ones the tests use: a subprocess in its own session
-whose ``stop()`` ends the process group (SIGTERM, then SIGKILL after a bounded wait) and checks
-nothing of it is left. Every wait has a deadline.
+Each is a subprocess in its own session; ``stop()`` ends that process group (SIGTERM, then
+SIGKILL after a bounded wait). Every wait has a deadline.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import socket
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
 import yaml
 
-from gateway.sim.process import LoopbackProcess, SimProcess, free_port
+ROOT = Path(__file__).resolve().parents[2]
 
 
-class SimProc(SimProcess):
-    """One simulated backend of the fleet; ``speed`` names it in the bench's backend list."""
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
+
+class _Proc:
+    def __init__(self, argv: list[str], what: str):
+        self.what = what
+        self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+
+    def _wait(self, ok, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
+                raise RuntimeError(f"{self.what} exited with {self.proc.returncode}: {err[-2000:]}")
+            try:
+                if ok():
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise TimeoutError(f"{self.what} not ready after {timeout}s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+        if self.proc.stderr:
+            self.proc.stderr.close()
+
+
+class SimProc(_Proc):
     def __init__(self, model: str, speed: float, sim_argv: list[str]):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
         self.speed = speed
-        super().__init__(*sim_argv, model=model, ready_timeout=30)
+        super().__init__([sys.executable, "-m", "gateway.sim", "--port", str(self.port), "--model", model, *sim_argv], f"sim :{self.port}")
+        self._wait(lambda: httpx.get(self.url + "/health", timeout=2).status_code == 200, 30)
+
+    def stats(self) -> dict:
+        return httpx.get(self.url + "/_sim/stats", timeout=5).json()
+
+    def control(self, **settings) -> None:
+        httpx.post(self.url + "/_sim/control", json=settings, timeout=5).raise_for_status()
 
 
-class GatewayProc(LoopbackProcess):
+class GatewayProc(_Proc):
     def __init__(self, workdir: Path, policy: str, sims: list[SimProc], balancer: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -40,11 +92,4 @@ class GatewayProc(LoopbackProcess):
         self.state_path = path.with_suffix(".state.json")
         super().__init__([sys.executable, "-m", "bench.routing.serve", str(path), str(self.port)], f"gateway ({policy})")
         n = len(sims)
-        try:
-            self.wait_for(lambda: httpx.get(self.url + "/ready", timeout=2).json().get("healthy_backends") == n, 30, f"{n} healthy backends")
-        except BaseException:
-            self.stop()
-            raise
-
-    def stop(self, grace: float = 10.0) -> int:
-        return super().stop(grace)  # a gateway drains what is in flight first
+        self._wait(lambda: httpx.get(self.url + "/ready", timeout=2).json().get("healthy_backends") == n, 30)
