@@ -163,7 +163,7 @@ async def test_kill_9_under_load_keeps_serving_from_the_others_and_the_dead_one_
                     failures.append("no backend answered")
 
         workers = [asyncio.ensure_future(traffic()) for _ in range(4)]
-        await asyncio.sleep(0.3)
+        await until(lambda: all(served.get(i.id, 0) >= 3 for i in lm.instances), 10, "traffic to every instance")
         server_pid = next(p for p in group_members(victim.pid) if p != victim.pid)
         os.kill(server_pid, signal.SIGKILL)
         backend = pool.get(victim.id)
@@ -171,7 +171,7 @@ async def test_kill_9_under_load_keeps_serving_from_the_others_and_the_dead_one_
         before = dict(served)
         await until(lambda: victim.state == "healthy" and victim.restarts == 1, 10, "the dead instance back")
         assert pool.get(victim.id).healthy
-        await asyncio.sleep(0.3)
+        await until(lambda: served.get(victim.id, 0) > before.get(victim.id, 0), 10, "the restarted instance serving")
         stop.set()
         await asyncio.gather(*workers)
         assert failures == []
@@ -218,7 +218,7 @@ async def test_a_crash_loop_stops_after_max_restarts_and_is_reported(tmp_path, c
         lm.update_metrics()
         assert REGISTRY.get_sample_value("gateway_launched_instance_state", {"instance": "crashy#0", "state": "crash_loop"}) == 1
         assert REGISTRY.get_sample_value("gateway_launched_instance_restarts_total", {"instance": "crashy#0"}) == 2
-        await asyncio.sleep(0.3)
+        await until(lambda: inst.task is not None and inst.task.done(), 5, "its supervisor to end: nothing left to retry")
         assert len(record.read_text().splitlines()) == 3, "no more attempts once given up"
 
 
@@ -268,7 +268,8 @@ async def test_a_port_taken_before_the_instance_binds_is_retried_on_another(tmp_
 
 
 # -- shutdown -------------------------------------------------------------------------------------------------
-async def test_sigterm_lets_a_streaming_request_finish_before_the_instance_exits(tmp_path, client):
+async def test_sigterm_lets_a_streaming_request_finish_before_the_instance_exits(tmp_path, client, caplog):
+    caplog.set_level(logging.INFO, "gateway.launcher")
     lm, pool = launcher(tmp_path, sim_group(instances=1, sim={"tpot": 0.03, "graceful_timeout": 10}))
     async with launched(lm) as pids:
         await until(lambda: lm.status()["healthy"] == 1, 10, "healthy")
@@ -284,8 +285,9 @@ async def test_sigterm_lets_a_streaming_request_finish_before_the_instance_exits
                     chunks.append(line[6:])
                     if stopping is None:
                         stopping = asyncio.ensure_future(lm.stop(8))
-                        await asyncio.sleep(0.1)
-                        assert not stopping.done()
+                        sigterm = lambda: any("stopping 1 instance(s)" in m.getMessage() for m in caplog.records)  # noqa: E731
+                        await until(sigterm, 5, "SIGTERM on its way")
+                        assert not stopping.done(), "stop() waits for the stream"
         assert chunks[-1] == "[DONE]"
         assert len(chunks) > 20, "the whole stream arrived"
         await stopping
