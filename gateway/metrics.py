@@ -16,6 +16,15 @@ MEDIA_REFUSALS = Counter("gateway_media_refusals_total", "Media URLs refused by 
 UPSTREAM_ERRORS = Counter("gateway_upstream_errors_total", "Failures talking to a backend, by kind", ["backend", "kind"], registry=REGISTRY)
 RETRIES = Counter("gateway_retries_total", "Requests retried on another backend before any byte reached the client", ["reason"], registry=REGISTRY)
 CLIENT_DISCONNECTS = Counter("gateway_client_disconnects_total", "Requests whose client went away; the upstream request was cancelled", registry=REGISTRY)
+QUEUE_WAITING = Gauge("gateway_queue_waiting", "Requests waiting in the gateway queue for a backend to free capacity", registry=REGISTRY)
+QUEUE_SHED = Counter("gateway_queue_shed_total", "Requests the gateway queue refused (503/429), by priority class and why", ["priority", "reason"], registry=REGISTRY)
+QUEUE_WAIT = Histogram(
+    "gateway_queue_wait_seconds",
+    "Seconds a request waited in the gateway queue before it was sent to a backend",
+    ["priority"],
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+    registry=REGISTRY,
+)
 AFFINITY_PICKS = Counter("gateway_affinity_picks_total", "Picks where prefix affinity chose a backend other than the lowest expected latency", registry=REGISTRY)
 IN_FLIGHT = Gauge("gateway_backend_in_flight", "Requests in flight per backend", ["backend"], registry=REGISTRY)
 BACKEND_HEALTHY = Gauge("gateway_backend_healthy", "1 when the backend is in rotation", ["backend"], registry=REGISTRY)
@@ -33,3 +42,6 @@ TTFB = Histogram(
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
     registry=REGISTRY,
 )
+# The launcher's instances (gateway/launcher), beside the backends they become.
+LAUNCHED_STATE = Gauge("gateway_launched_instance_state", "1 for the state each launched instance is in", ["instance", "state"], registry=REGISTRY)
+LAUNCHED_RESTARTS = Counter("gateway_launched_instance_restarts_total", "Restarts of each launched instance", ["instance"], registry=REGISTRY)

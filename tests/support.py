@@ -1,7 +1,8 @@
 """Test harness: real servers on loopback sockets.
 
 - ``Sim``: a simulated api_server in its own process (``python -m gateway.sim``).
-- ``GatewayServer``: the gateway under uvicorn in a background thread, from a config dict.
+- ``GatewayServer``: the gateway on its own HTTP server (gateway/server, what ``gateway serve``
+  runs) in a background thread, from a config dict.
 Both are context managers and stop what they started; every wait is bounded.
 """
 
@@ -15,8 +16,8 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Iterator
 
 import httpx
-import uvicorn
 
+from gateway import server as http_server
 from gateway.app import Gateway
 from gateway.config import parse_config
 from gateway.filters.auth import hash_key, new_key
@@ -95,29 +96,20 @@ class TestKeys:
 
 
 class GatewayServer:
-    """The gateway under uvicorn (uvloop + httptools) in a thread, on a free loopback port."""
+    """The gateway on our HTTP/1.1 server (uvloop) in a thread, on a free loopback port."""
 
-    def __init__(self, config: dict[str, Any], *, wait_healthy: bool = True):
+    def __init__(self, config: dict[str, Any], *, wait_healthy: bool = True, **gateway_options: Any):
         config = dict(config)
         self.port = free_port()
         config.setdefault("server", {})
         config["server"] = {**config["server"], "host": "127.0.0.1", "port": self.port}
         self.config = parse_config(config, base_dir=ROOT)
-        self.gateway = Gateway(self.config)
+        self.gateway = Gateway(self.config, **gateway_options)
         self.url = f"http://127.0.0.1:{self.port}"
-        ucfg = uvicorn.Config(
-            self.gateway.asgi(),
-            host="127.0.0.1",
-            port=self.port,
-            loop="uvloop",
-            http="httptools",
-            lifespan="on",
-            log_level="warning",
-            access_log=False,
-            timeout_graceful_shutdown=int(self.config.timeouts.drain) or None,
-        )
-        self.server = uvicorn.Server(ucfg)
-        self.thread = threading.Thread(target=self.server.run, name=f"gateway-{self.port}", daemon=True)
+        sock = http_server.bind("127.0.0.1", self.port)
+        self.server = http_server.Server(self.gateway.asgi(), self.config.server, drain=self.config.timeouts.drain, sockets=[sock])
+        self.result: list[int] = []
+        self.thread = threading.Thread(target=self._run, name=f"gateway-{self.port}", daemon=True)
         self.thread.start()
         wait_until(lambda: self.server.started or not self.thread.is_alive(), 30, 0.01, "gateway start")
         if not self.server.started:
@@ -125,8 +117,15 @@ class GatewayServer:
         if wait_healthy and len(self.gateway.pool):
             wait_until(lambda: any(b.healthy for b in self.gateway.pool), 30, 0.02, "a healthy backend")
 
+    def _run(self) -> None:
+        loop = http_server.new_loop()
+        try:
+            self.result.append(loop.run_until_complete(self.server.run(install_signals=False)))
+        finally:
+            loop.close()
+
     def stop(self) -> None:
-        self.server.should_exit = True
+        self.server.request_stop()
         self.thread.join(30)
 
     def __enter__(self) -> "GatewayServer":

@@ -8,7 +8,7 @@ import pytest
 
 from gateway.config import ConfigError, parse_config
 from gateway.config.balancer import POLICIES, BalancerConfig
-from gateway.routing.balancer import (
+from gateway.routing.policies import (
     ExpectedLatencyBalancer,
     LeastLoad,
     Outcome,
@@ -298,12 +298,12 @@ def _returned_backend_after_the_window_gets_work(bal, bs, clock):
 
 def _kv_pressure(bal, bs, clock):
     for b, kv in (("a", 0.97), ("b", 0.2), ("c", 0.3)):
-        bs[b].stats["signals"] = Signals(kv_usage=kv, scraped_at=clock.t)
+        bal.observe_signals(bs[b], Signals(kv_usage=kv, scraped_at=clock.t), changed=False)
     return req()
 
 
 def _stale_kv_is_ignored(bal, bs, clock):
-    bs["a"].stats["signals"] = Signals(kv_usage=0.97, scraped_at=clock.t - 60)
+    bal.observe_signals(bs["a"], Signals(kv_usage=0.97, scraped_at=clock.t - 60), changed=False)
     set_sigma(bal, bs["a"], 0.01)
     set_sigma(bal, bs["b"], 0.02)
     set_sigma(bal, bs["c"], 0.02)
@@ -418,7 +418,7 @@ def test_completed_twice_releases_once_and_a_retry_moves_the_reservation():
     assert a.in_flight == 0 and not bal._model(a).inflight
     bal.dispatched(b, r)  # the router's retry: same RequestInfo, another backend
     assert b.in_flight == 1 and len(bal._model(b).inflight) == 1
-    bal.completed(b, r, Outcome(status=200, ok=True, completion_tokens=5, duration=0.1))
+    bal.completed(b, r, Outcome(status=200, ok=True, completion_tokens=5))
     assert b.in_flight == 0
 
 
@@ -429,7 +429,7 @@ def test_failed_requests_teach_nothing():
     r = req(out=100)
     bal.dispatched(a, r)
     clock.t += 100.0
-    bal.completed(a, r, Outcome(status=502, ok=False, duration=100.0, completion_tokens=100))
+    bal.completed(a, r, Outcome(status=502, ok=False, completion_tokens=100))
     assert bal._model(a).w == 0.0
     assert bal._sizes("m").fill == 1.0
 
@@ -526,16 +526,16 @@ def test_least_load_credits_dispatched_tokens_until_the_gauges_change():
     a, b = backends("a", "b")
     for x in (a, b):
         bal.observe_signals(x, Signals(scraped_at=clock.t, token_rate=1000.0), changed=True)
-        x.stats["signals"] = Signals(scraped_at=clock.t)
+        bal.observe_signals(x, Signals(scraped_at=clock.t), changed=False)
     r = req(prompt=500, out=500)
     assert bal.pick([a, b], r) in (a, b)
     bal.dispatched(a, r)
     assert bal.pick([a, b], req()).id == "b"  # a carries 1000 dispatched tokens
-    a.stats["signals"] = Signals(running=0, scraped_at=clock.t)
-    bal.observe_signals(a, a.stats["signals"], changed=False)
+    bal.observe_signals(a, Signals(running=0, scraped_at=clock.t), changed=False)
+    bal.observe_signals(a, bal.state(a).signals, changed=False)
     assert bal.pick([a, b], req()).id == "b"  # same gauges: still credited
-    bal.observe_signals(a, a.stats["signals"], changed=True)
-    assert a.stats["ll_dispatched"] == 0.0
+    bal.observe_signals(a, bal.state(a).signals, changed=True)
+    assert bal.state(a).dispatched == 0.0
 
 
 def test_least_load_score_follows_sglang_formula():
@@ -544,15 +544,15 @@ def test_least_load_score_follows_sglang_formula():
     a, b = backends("a", "b")
     bal.observe_signals(a, Signals(token_rate=2000.0), changed=True)
     bal.observe_signals(b, Signals(token_rate=1000.0), changed=True)
-    a.stats["signals"] = Signals(running=3, waiting=1, kv_usage=0.5, scraped_at=clock.t)  # 4*512/2000 + 0.15 = 1.174
-    b.stats["signals"] = Signals(running=1, waiting=0, kv_usage=0.0, scraped_at=clock.t)  # 512/1000 = 0.512
+    bal.observe_signals(a, Signals(running=3, waiting=1, kv_usage=0.5, scraped_at=clock.t), changed=False)  # 4*512/2000 + 0.15 = 1.174
+    bal.observe_signals(b, Signals(running=1, waiting=0, kv_usage=0.0, scraped_at=clock.t), changed=False)  # 512/1000 = 0.512
     assert bal.pick([a, b], req()).id == "b"
-    b.stats["signals"] = Signals(running=2, waiting=0, kv_usage=0.0, scraped_at=clock.t)  # 1.024
-    a.stats["signals"] = Signals(running=3, waiting=1, kv_usage=0.0, scraped_at=clock.t)  # 1.024: a tie, then 0.15 kv
-    a.stats["signals"].kv_usage = 0.1
+    bal.observe_signals(b, Signals(running=2, waiting=0, kv_usage=0.0, scraped_at=clock.t), changed=False)  # 1.024
+    bal.observe_signals(a, Signals(running=3, waiting=1, kv_usage=0.0, scraped_at=clock.t), changed=False)  # 1.024: a tie, then 0.15 kv
+    bal.state(a).signals.kv_usage = 0.1
     assert bal.pick([a, b], req()).id == "b"
-    a.stats["signals"].kv_usage = 0.0
-    a.stats["signals"].running = 2
+    bal.state(a).signals.kv_usage = 0.0
+    bal.state(a).signals.running = 2
     assert bal.pick([a, b], req()).id == "a"
 
 
@@ -627,7 +627,7 @@ def test_prefix_memory_is_bounded_and_forgets_after_its_ttl():
 
 
 def test_only_policies_that_weigh_work_scan_the_prompt():
-    from gateway.routing.balancer import make_balancer
+    from gateway.routing.policies import make_balancer
 
     body = {"model": "m", "messages": [{"role": "system", "content": "s" * 4000}, {"role": "user", "content": "hi"}], "max_tokens": 9}
     for name in ("least_in_flight", "round_robin", "random"):
@@ -637,3 +637,45 @@ def test_only_policies_that_weigh_work_scan_the_prompt():
         req = make_balancer(name).describe("m", body)
         assert req.prompt_tokens > 900 and req.max_tokens == 9
     assert make_balancer("min_expected_latency").describe("m", body).prefix_keys
+
+
+# -- state per backend, capability flags --------------------------------------------------------------
+
+def test_policies_declare_what_they_read():
+    flags = {name: (make_balancer(name).reads_prompt, make_balancer(name).reads_signals) for name in POLICIES}
+    assert flags == {
+        "min_expected_latency": (True, True),
+        "least_in_flight": (False, False),
+        "round_robin": (False, False),
+        "random": (False, False),
+        "least_load": (True, True),
+    }
+
+
+@pytest.mark.parametrize("name", ["min_expected_latency", "least_load"])
+def test_a_forgotten_backend_leaves_no_state_behind(name):
+    clock = Clock()
+    bal = make_balancer(name, clock=clock)
+    a, b = backends("a", "b")
+    for x in (a, b):
+        bal.observe_signals(x, Signals(running=1, scraped_at=clock.t, token_rate=100.0), changed=True)
+        r = req()
+        bal.dispatched(x, r)
+        bal.completed(x, r, Outcome(status=200, ok=True, completion_tokens=10))
+    states = bal.models if name == "min_expected_latency" else bal.state
+    assert len(states) == 2
+    bal.forget("b")
+    assert len(states) == 1 and states.get(a) is not None and states.get(b) is None
+    bal.forget("never-there")  # harmless
+    assert len(states) == 1
+
+
+async def test_the_gateway_forgets_a_backend_the_pool_removes():
+    from gateway.app import Gateway
+
+    gw = Gateway(parse_config({"auth": {"disabled": True}, "backends": [{"url": "http://127.0.0.1:1", "name": "x", "models": ["m"]}]}))
+    x = gw.pool.get("x")
+    gw.balancer.dispatched(x, req())
+    assert gw.balancer.models.get(x) is not None
+    gw.pool.remove("x")
+    assert gw.balancer.models.get(x) is None

@@ -7,7 +7,7 @@ import asyncio
 import httpx
 import pytest
 
-from gateway.routing.balancer import make_balancer
+from gateway.routing.policies import make_balancer
 from gateway.routing.pool import Backend
 from gateway.routing.signals import MetricsScraper, Signals, parse_metrics, update_signals
 
@@ -96,9 +96,24 @@ async def test_scraper_polls_healthy_backends_with_their_key_and_feeds_the_balan
     assert sorted(fake.seen) == [("a.test", "Bearer sk-a")] * 2 + [("b.test", None)] * 2  # c is unhealthy: not polled
     assert calls == [("a", True), ("a", False)]
     assert scraper.failures == 2
-    assert a.stats["signals"].running == 5.0 and a.stats["signals"].kv_usage == pytest.approx(0.6)
+    assert scraper.signals["a"].running == 5.0 and scraper.signals["a"].kv_usage == pytest.approx(0.6)
     assert bal._model(a).ext == 6.0  # 5 running + 1 waiting, none of them ours
-    assert "signals" not in b.stats
+    assert bal._model(a).signals is scraper.signals["a"]
+    assert "b" not in scraper.signals
+
+async def test_scraper_drops_the_numbers_of_a_backend_that_left():
+    fake = _FakeBackends({"a.test": (200, EXPOSITION), "b.test": (200, EXPOSITION)})
+    a = Backend(id="a", url="http://a.test", healthy=True)
+    b = Backend(id="b", url="http://b.test", healthy=True)
+    members = [a, b]
+    async with httpx.AsyncClient(transport=httpx.MockTransport(fake)) as client:
+        scraper = MetricsScraper(lambda: members, lambda *_: None, interval=1.0, client=client)
+        await scraper.scrape_all()
+        assert set(scraper.signals) == {"a", "b"}
+        members.remove(b)
+        await scraper.scrape_all()
+    assert set(scraper.signals) == {"a"}
+
 
 async def test_scraper_task_starts_and_stops():
     fake = _FakeBackends({"a.test": (200, EXPOSITION)})

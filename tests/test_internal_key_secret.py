@@ -67,7 +67,9 @@ async def until(predicate, timeout: float, what: str) -> None:
 
 
 async def launch_and_check(tmp_path: Path, group: dict, env: dict[str, str] | None = None, gpus=()) -> None:
-    pool = BackendPool(HealthConfig())
+    pool = BackendPool(HealthConfig(interval=0.1, timeout=1.0))
+    health_client = httpx.AsyncClient(trust_env=False)
+    pool.start(health_client)  # as the gateway does: the pool owns health
     devices = lambda device: (tuple(str(g) for g in gpus), "test devices")  # noqa: E731
     lm = Launcher(groups(group), pool, log_dir=tmp_path / "logs", poll_interval=0.05, stop_grace=5.0, devices=devices, env=env, progress=io.StringIO())
     await lm.start()
@@ -95,6 +97,8 @@ async def launch_and_check(tmp_path: Path, group: dict, env: dict[str, str] | No
         assert "--api-keys '***'" in logs  # the log shows where the key goes, not the key
     finally:
         await lm.stop(5)
+        await pool.stop()
+        await health_client.aclose()
     await until(lambda: not any(alive(p) for p in pids), 5, "every launched process gone")
 
 

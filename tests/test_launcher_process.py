@@ -51,11 +51,25 @@ def sim_group(**fields) -> dict:
     return {"model": "sim-model", "model_name": "chat", "engine": "sim", **FAST, **fields}
 
 
+class CheckedLauncher(Launcher):
+    """The launcher with its pool's health checker running, started and stopped as the gateway does."""
+
+    async def start(self) -> None:
+        self._health_client = httpx.AsyncClient(trust_env=False, timeout=5.0)
+        self.pool.start(self._health_client)
+        await super().start()
+
+    async def stop(self, grace: float | None = None) -> None:
+        await super().stop(grace)
+        await self.pool.stop()
+        await self._health_client.aclose()
+
+
 def launcher(tmp_path: Path, *launch: dict, env: dict | None = None, gpus=(), **kwargs) -> tuple[Launcher, BackendPool]:
-    pool = BackendPool(HealthConfig())
+    pool = BackendPool(HealthConfig(interval=0.1, timeout=1.0))
     kwargs.setdefault("progress", io.StringIO())
     devices = lambda device: (tuple(str(g) for g in gpus), "test devices")  # noqa: E731
-    lm = Launcher(groups(*launch), pool, log_dir=tmp_path / "logs", poll_interval=0.05, stop_grace=5.0, devices=devices, env=env, **kwargs)
+    lm = CheckedLauncher(groups(*launch), pool, log_dir=tmp_path / "logs", poll_interval=0.05, stop_grace=5.0, devices=devices, env=env, **kwargs)
     return lm, pool
 
 
@@ -89,9 +103,10 @@ async def test_instances_join_the_pool_only_once_healthy_and_answer_only_the_int
     t0 = time.monotonic()
     async with launched(lm):
         assert time.monotonic() - t0 < 1.0, "start() must return while instances load"
-        assert len(pool) == 0
+        assert pool.eligible("chat") == []
         await until(lambda: any(i.state == "loading" for i in lm.instances), 5, "loading")
-        assert len(pool) == 0, "a loading instance is not in rotation"
+        assert pool.eligible("chat") == [], "a loading instance is not in rotation"
+        assert all(b.health_status != "healthy" for b in pool if b.id in {i.id for i in lm.instances if i.state == "loading"})
         assert await lm.wait_ready(15)
         await until(lambda: lm.status()["healthy"] == 3, 15, "3 healthy instances")
         backends = list(pool)
@@ -167,7 +182,7 @@ async def test_kill_9_under_load_keeps_serving_from_the_others_and_the_dead_one_
         server_pid = next(p for p in group_members(victim.pid) if p != victim.pid)
         os.kill(server_pid, signal.SIGKILL)
         backend = pool.get(victim.id)
-        await until(lambda: not backend.healthy and backend.health_status == "exited", 1.0, "the dead instance out of rotation")
+        await until(lambda: not backend.healthy and backend.health_status in ("exited", "unreachable"), 1.0, "the dead instance out of rotation")
         before = dict(served)
         await until(lambda: victim.state == "healthy" and victim.restarts == 1, 10, "the dead instance back")
         assert pool.get(victim.id).healthy
@@ -231,7 +246,8 @@ async def test_a_live_instance_that_turns_unhealthy_leaves_rotation_then_is_rest
         r = await client.post(f"{backend.url}/_sim/control", json={"health": "unhealthy"})
         assert r.status_code == 200
         await until(lambda: not backend.healthy, 1.0, "out of rotation")
-        assert backend.health_status == "unhealthy" and inst.state == "unhealthy"
+        assert backend.health_status == "unhealthy"
+        await until(lambda: inst.state == "unhealthy", 1.0, "the launcher reading the pool's verdict")
         await until(lambda: inst.state == "healthy" and inst.restarts == 1, 10, "restarted")
         assert inst.pid != first_pid and not alive(first_pid)
         assert pool.get("chat#0").healthy
@@ -296,6 +312,7 @@ async def test_sigterm_lets_a_streaming_request_finish_before_the_instance_exits
 GATEWAY_SCRIPT = textwrap.dedent(
     """
     import asyncio, json, sys
+    import httpx
     from gateway.config import HealthConfig
     from gateway.config.fields import Problems, Section
     from gateway.config.launch import read_launch
@@ -307,8 +324,9 @@ GATEWAY_SCRIPT = textwrap.dedent(
         problems = Problems()
         launch = {"model": "m", "model_name": "chat", "engine": "lmdeploy", "gpus": [0, 1], "health_interval": 0.2}
         groups = read_launch(Section({"launch": launch}, "", problems), env={})
-        lm = Launcher(groups, BackendPool(HealthConfig()), log_dir=sys.argv[1], poll_interval=0.05,
-                      devices=lambda d: (("0", "1"), "test"))
+        pool = BackendPool(HealthConfig(interval=0.1))
+        pool.start(httpx.AsyncClient(trust_env=False))  # as the gateway does: the pool owns health
+        lm = Launcher(groups, pool, log_dir=sys.argv[1], poll_interval=0.05, devices=lambda d: (("0", "1"), "test"))
         await lm.start()
         while lm.status()["healthy"] < 2:
             await asyncio.sleep(0.05)

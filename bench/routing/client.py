@@ -23,9 +23,11 @@ class Result:
     cached_tokens: int
     prompt_tokens: int
     shared: bool
+    key: str = ""
+    retry_after: bool = False  # a refusal carried Retry-After
 
 
-async def _one(session: aiohttp.ClientSession, url: str, index: int, item, start: float, out: list[Result]) -> None:
+async def _one(session: aiohttp.ClientSession, url: str, index: int, item, start: float, out: list[Result], secrets: dict[str, str]) -> None:
     loop = asyncio.get_running_loop()
     delay = start + item.at - loop.time()
     if delay > 0:
@@ -35,9 +37,15 @@ async def _one(session: aiohttp.ClientSession, url: str, index: int, item, start
     usage: dict = {}
     status = 0
     ok = False
+    retry_after = False
+    headers = {"content-type": "application/json"}
+    key = getattr(item, "key", "")
+    if key:
+        headers["authorization"] = f"Bearer {secrets[key]}"
     try:
-        async with session.post(url, data=orjson.dumps(item.body), headers={"content-type": "application/json"}) as resp:
+        async with session.post(url, data=orjson.dumps(item.body), headers=headers) as resp:
             status = resp.status
+            retry_after = "retry-after" in resp.headers
             tail = b""
             async for chunk in resp.content.iter_any():
                 if ttft is None:
@@ -65,11 +73,13 @@ async def _one(session: aiohttp.ClientSession, url: str, index: int, item, start
             cached_tokens=int(details.get("cached_tokens") or 0),
             prompt_tokens=int(usage.get("prompt_tokens") or 0),
             shared=item.shared,
+            key=key,
+            retry_after=retry_after,
         )
     )
 
 
-async def replay(url: str, trace: Trace, timeout: float) -> tuple[list[Result], float]:
+async def replay(url: str, trace: Trace, timeout: float, secrets: dict[str, str] | None = None) -> tuple[list[Result], float]:
     """(results, wall seconds from the first send to the last answer)."""
     out: list[Result] = []
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
@@ -77,7 +87,7 @@ async def replay(url: str, trace: Trace, timeout: float) -> tuple[list[Result], 
     async with aiohttp.ClientSession(connector=connector, timeout=client_timeout) as session:
         loop = asyncio.get_running_loop()
         start = loop.time() + 0.2
-        await asyncio.gather(*(_one(session, url + "/v1/chat/completions", i, it, start, out) for i, it in enumerate(trace.items)))
+        await asyncio.gather(*(_one(session, url + "/v1/chat/completions", i, it, start, out, secrets or {}) for i, it in enumerate(trace.items)))
         out.sort(key=lambda r: r.index)
         return out, loop.time() - start
 
@@ -94,12 +104,16 @@ def summarize(results: list[Result], wall: float, warmup: int) -> dict[str, floa
     """Figures over the requests after the first ``warmup`` (the balancer's priors settle there)."""
     kept = results[warmup:] if len(results) > warmup else results
     ok = [r for r in kept if r.ok]
+    refused = [r for r in kept if r.status in (429, 503)]
     lat = [r.latency for r in ok]
     ttft = [r.ttft for r in ok if r.ttft is not None]
     tokens = sum(r.completion_tokens for r in results if r.ok)
     return {
         "n": len(kept),
-        "errors": len(kept) - len(ok),
+        "errors": len(kept) - len(ok) - len(refused),
+        "refused": len(refused),
+        "refusal_p99": pct([r.latency for r in refused], 99) if refused else 0.0,
+        "refusals_with_retry_after": sum(r.retry_after for r in refused),
         "throughput_rps": sum(1 for r in results if r.ok) / wall if wall > 0 else 0.0,
         "tokens_per_s": tokens / wall if wall > 0 else 0.0,
         "lat_mean": statistics.fmean(lat) if lat else float("nan"),

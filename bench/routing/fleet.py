@@ -7,6 +7,7 @@ SIGKILL after a bounded wait). Every wait has a deadline.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import signal
 import socket
@@ -77,11 +78,15 @@ class SimProc(_Proc):
 
 
 class GatewayProc(_Proc):
-    def __init__(self, workdir: Path, policy: str, sims: list[SimProc], balancer: dict | None = None):
+    def __init__(self, workdir: Path, policy: str, sims: list[SimProc], balancer: dict | None = None, keys: dict[str, tuple[str, str]] | None = None):
+        """``keys``: name -> (secret, priority class); without, authentication is off."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        auth: dict = {"disabled": True}
+        if keys:
+            auth = {"keys": [{"name": n, "hash": "sha256:" + hashlib.sha256(k.encode()).hexdigest(), "priority": p} for n, (k, p) in keys.items()]}
         config = {
-            "auth": {"disabled": True},
+            "auth": auth,
             "backends": [{"url": s.url, "name": f"sim{i}-x{s.speed:g}"} for i, s in enumerate(sims)],
             "health": {"interval": 1.0, "timeout": 2.0},
             "balancer": {"policy": policy, **(balancer or {})},
@@ -93,3 +98,22 @@ class GatewayProc(_Proc):
         super().__init__([sys.executable, "-m", "bench.routing.serve", str(path), str(self.port)], f"gateway ({policy})")
         n = len(sims)
         self._wait(lambda: httpx.get(self.url + "/ready", timeout=2).json().get("healthy_backends") == n, 30)
+
+
+SMG = ROOT / ".venv-smg" / "bin" / "smg"
+
+
+class SmgProc(_Proc):
+    """The SGLang model gateway (``pip install smg`` into .venv-smg/) in front of the same sims."""
+
+    def __init__(self, workdir: Path, policy: str, sims: list[SimProc], model: str):
+        if not SMG.exists():
+            raise FileNotFoundError(f"{SMG} is missing: python3 -m venv .venv-smg && .venv-smg/bin/pip install smg")
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.state_path = workdir / f"smg-{self.port}.none"
+        argv = [str(SMG), "launch", "--backend", "vllm", "--disable-tokenizer-autoload", "--policy", policy,
+                "--host", "127.0.0.1", "--port", str(self.port), "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+                "--log-level", "error", "--worker-urls", *[s.url for s in sims]]
+        super().__init__(argv, f"smg ({policy})")
+        self._wait(lambda: any(m.get("id") == model for m in httpx.get(self.url + "/v1/models", timeout=2).json().get("data", [])), 60)

@@ -11,6 +11,7 @@ health checks, retries. Its figures are not the bench's figures.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import heapq
 import itertools
 import random
@@ -24,14 +25,16 @@ if __package__ in (None, ""):
     __package__ = "bench.routing"
 
 from gateway.config.balancer import BalancerConfig  # noqa: E402
-from gateway.routing.balancer import Outcome, make_balancer, request_info  # noqa: E402
+from gateway.routing.policies import Outcome, make_balancer, request_info  # noqa: E402
+from gateway.config.balancer import DEFAULT_PRIORITY, PRIORITY_NAMES  # noqa: E402
 from gateway.routing.pool import Backend  # noqa: E402
+from gateway.routing.queue import Admission, Waiter  # noqa: E402
 from gateway.routing.signals import Signals, update_signals  # noqa: E402
 from gateway.sim.prefix_cache import PrefixCache  # noqa: E402
 from gateway.sim.tokens import render_chat, text_prompt  # noqa: E402
 
 from .run import FLEETS, POLICIES  # noqa: E402
-from .trace import SimParams, fleet_capacity, make_trace  # noqa: E402
+from .trace import SimParams, fleet_capacity, make_trace, mixed_trace  # noqa: E402
 
 
 class Loop:
@@ -138,40 +141,93 @@ class Engine:
         self.gauges = (len(self.running), len(self.waiting), self.kv / self.p.kv_capacity_tokens)
 
 
+def policy_spec(spec: str, cfg: BalancerConfig) -> tuple[str, BalancerConfig]:
+    """``name`` or ``name:field=value+field=value`` (a variant of a policy's knobs, for comparing them)."""
+    name, _, knobs = spec.partition(":")
+    changes: dict = {}
+    queue: dict = {}
+    for kv in filter(None, knobs.split("+")):
+        k, _, v = kv.partition("=")
+        target, base = (queue, cfg.queue) if hasattr(cfg.queue, k) else (changes, cfg)
+        default = getattr(base, k)
+        target[k] = v in ("1", "true", "on") if isinstance(default, bool) else v if isinstance(default, str) else (int(v) if default is None else type(default)(v))
+    if queue:
+        changes["queue"] = dataclasses.replace(cfg.queue, **queue)
+    return name, dataclasses.replace(cfg, **changes)
+
+
 def replay(policy: str, speeds: list[float], trace, params: SimParams, cfg: BalancerConfig, seed: int = 0, warmup: float = 0.1) -> dict:
     loop = Loop()
+    spec = policy
+    policy, cfg = policy_spec(spec, cfg)
     bal = make_balancer(policy, cfg, clock=lambda: loop.now, rng=random.Random(seed))
     backends = [Backend(id=f"b{i}", url="", models=frozenset({"m"}), healthy=True, returned_at=0.0) for i in range(len(speeds))]
     results: dict[int, tuple[float, float]] = {}
+    refused: dict[int, tuple[float, int]] = {}  # index: (seconds to the refusal, status)
+    arrived: dict[int, float] = {}
+    adm = Admission(cfg.queue, bal, lambda model: backends, lambda: loop.now) if cfg.queue.enabled and bal.predicts else None
 
     def on_token(engine, s: Seq) -> None:
         bal.first_byte(by_engine[engine], s.req, loop.now - s.sent)
 
     def on_done(engine, s: Seq) -> None:
         b = by_engine[engine]
-        bal.completed(b, s.req, Outcome(status=200, ok=True, ttft=s.first - s.sent, duration=loop.now - s.sent,
+        bal.completed(b, s.req, Outcome(status=200, ok=True, ttft=s.first - s.sent,
                                         prompt_tokens=s.tokens, completion_tokens=s.out, cached_tokens=s.cached))
-        results[s.index] = (loop.now - s.sent, s.first - s.sent)
+        t0 = arrived.pop(s.index)
+        results[s.index] = (loop.now - t0, s.first - t0)
+        if adm is not None:
+            adm.completed("m")
+            drain()
 
     engines = [Engine(loop, params, sp, on_token, on_done) for sp in speeds]
     by_engine = dict(zip(engines, backends))
     signals = [Signals(max_age=30.0) for _ in backends]
-    for b, sig in zip(backends, signals):
-        b.stats["signals"] = sig
 
-    def arrive(i: int, item) -> None:
-        req = request_info("m", item.body)
-        req.stream = True
-        b = bal.pick(backends, req)
-        bal.dispatched(b, req)
+    def submit(b: Backend, i: int, item, req) -> None:
         e = engines[backends.index(b)]
         prompt = text_prompt(render_chat(item.body), params.block_tokens)
         e.submit(Seq(i, prompt.tokens, prompt.blocks, item.output_tokens, req, loop.now))
 
+    waiting: dict[int, tuple] = {}  # id(waiter): (waiter, index, item)
+
+    def drain() -> None:
+        for w in adm.drain("m"):
+            _, i, item = waiting.pop(id(w))
+            submit(w.backend, i, item, w.req)
+
+    def expire(w) -> None:
+        if adm.expire(w):
+            _, i, _ = waiting.pop(id(w))
+            refused[i] = (loop.now - arrived.pop(i), w.refusal.status)
+
+    def arrive(i: int, item) -> None:
+        req = request_info("m", item.body)
+        req.stream = True
+        arrived[i] = loop.now
+        if adm is None:
+            b = bal.pick(backends, req)
+            bal.dispatched(b, req)
+            submit(b, i, item, req)
+            return
+        got = adm.admit(req, item.key, PRIORITIES.get(item.key, DEFAULT_PRIORITY))
+        for v in adm.displaced:
+            _, j, _ = waiting.pop(id(v))
+            refused[j] = (loop.now - arrived.pop(j), v.refusal.status)
+        adm.displaced.clear()
+        if isinstance(got, Backend):
+            submit(got, i, item, req)
+        elif isinstance(got, Waiter):
+            waiting[id(got)] = (got, i, item)
+            loop.at(got.deadline, expire, got)
+        else:
+            refused[i] = (0.0, got.status)
+            arrived.pop(i)
+
     def refresh() -> None:
         for e in engines:
             e.refresh()
-        if len(results) < len(trace.items):
+        if len(results) + len(refused) < len(trace.items):
             loop.at(loop.now + params.metrics_interval, refresh)
 
     def scrape() -> None:
@@ -181,7 +237,9 @@ def replay(policy: str, speeds: list[float], trace, params: SimParams, cfg: Bala
             changed = update_signals(sig, {"lmdeploy:num_requests_running": r, "lmdeploy:num_requests_waiting": w,
                                            "lmdeploy:gpu_cache_usage_perc": kv, "lmdeploy:generation_tokens_total": tokens}, loop.now)
             bal.observe_signals(b, sig, changed)
-        if len(results) < len(trace.items):
+        if adm is not None:
+            drain()
+        if len(results) + len(refused) < len(trace.items):
             loop.at(loop.now + cfg.scrape_interval, scrape)
 
     for i, item in enumerate(trace.items):
@@ -191,18 +249,36 @@ def replay(policy: str, speeds: list[float], trace, params: SimParams, cfg: Bala
         loop.at(0.05, scrape)
     loop.run()
     skip = int(len(trace.items) * warmup)
-    lat = sorted(results[i][0] for i in range(skip, len(trace.items)))
-    ttft = [results[i][1] for i in range(skip, len(trace.items))]
+    lat = sorted(results[i][0] for i in range(skip, len(trace.items)) if i in results)
+    ttft = sorted(results[i][1] for i in range(skip, len(trace.items)) if i in results)
+    shed = sorted(refused[i][0] for i in range(skip, len(trace.items)) if i in refused)
     prompt = sum(e.prompt_tokens for e in engines)
+    by_key = {}
+    for key in {it.key for it in trace.items}:
+        mine = sorted(results[i][1] for i in range(skip, len(trace.items)) if i in results and trace.items[i].key == key)
+        by_key[key] = {"ttft_p99": _p99(mine), "lat_p99": _p99(sorted(results[i][0] for i in range(skip, len(trace.items)) if i in results and trace.items[i].key == key)),
+                       "refused": sum(1 for i in range(skip, len(trace.items)) if i in refused and trace.items[i].key == key)}
     return {
-        "policy": policy,
+        "by_key": by_key,
+        "policy": spec,
         "lat_mean": statistics.fmean(lat),
         "lat_p50": lat[len(lat) // 2],
         "lat_p99": lat[min(len(lat) - 1, int(0.99 * (len(lat) - 1) + 0.5))],
         "ttft_mean": statistics.fmean(ttft),
+        "ttft_p50": ttft[len(ttft) // 2],
+        "ttft_p99": ttft[min(len(ttft) - 1, int(0.99 * (len(ttft) - 1) + 0.5))],
+        "refused": len(shed),
+        "refusal_p99": shed[min(len(shed) - 1, int(0.99 * (len(shed) - 1) + 0.5))] if shed else 0.0,
         "hit_rate": sum(e.cached_tokens for e in engines) / prompt if prompt else 0.0,
         "share": "/".join(f"{100 * e.prompt_tokens / prompt:.0f}" for e in engines) if prompt else "",
     }
+
+
+PRIORITIES = {"ui": PRIORITY_NAMES["interactive"], "bulk": PRIORITY_NAMES["batch"]}  # the mixed run's keys
+
+
+def _p99(xs: list[float]) -> float:
+    return xs[min(len(xs) - 1, int(0.99 * (len(xs) - 1) + 0.5))] if xs else float("nan")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -213,9 +289,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=120.0)
     ap.add_argument("--seeds", default="7")
     ap.add_argument("--shared", type=float, default=0.5)
+    ap.add_argument("--mixed", action="store_true", help="interactive short requests (key ui) at --loads, alone and with a batch flood (key bulk) at 100%%")
     args = ap.parse_args(argv)
     params = SimParams()
     cfg = BalancerConfig(scrape_interval=2.0)
+    if args.mixed:
+        for fleet in args.fleets.split(","):
+            speeds = FLEETS[fleet]
+            cap = fleet_capacity(params, speeds, 7, "m", args.shared)
+            for load in (float(x) for x in args.loads.split(",")):
+                for seed in (int(s) for s in args.seeds.split(",")):
+                    alone = mixed_trace(seed, interactive_rate=load * cap, batch_rate=0.0, duration=args.duration, model="m")
+                    flood = mixed_trace(seed, interactive_rate=load * cap, batch_rate=cap, duration=args.duration, model="m")
+                    print(f"\nmixed {fleet}: interactive at {load:.0%}, alone and with a batch flood at 100%; seed {seed}")
+                    for policy in args.policies.split(","):
+                        a = replay(policy, speeds, alone, params, cfg, seed)["by_key"]["ui"]
+                        f = replay(policy, speeds, flood, params, cfg, seed)["by_key"]
+                        print(f"  {policy:<44} ui ttft p99 {a['ttft_p99']:.3f} -> {f['ui']['ttft_p99']:.3f} ({100 * (f['ui']['ttft_p99'] / a['ttft_p99'] - 1):+.0f}%)"
+                              f"  ui lat p99 {a['lat_p99']:.2f} -> {f['ui']['lat_p99']:.2f}  ui shed {f['ui']['refused']}  bulk shed {f['bulk']['refused']}  bulk lat p99 {f['bulk']['lat_p99']:.2f}")
+        return 0
     for fleet in args.fleets.split(","):
         speeds = FLEETS[fleet]
         for load in (float(x) for x in args.loads.split(",")):
@@ -227,8 +319,9 @@ def main(argv: list[str] | None = None) -> int:
                 for policy in args.policies.split(","):
                     r = replay(policy, speeds, trace, params, cfg, seed)
                     base = base or r
-                    print(f"  {policy:<21} lat mean {r['lat_mean']:6.2f} p50 {r['lat_p50']:6.2f} p99 {r['lat_p99']:6.2f} "
-                          f"({100 * (r['lat_p99'] / base['lat_p99'] - 1):+4.0f}%)  ttft {r['ttft_mean']:.3f}  hit {r['hit_rate']:.1%}  prompt share {r['share']}")
+                    print(f"  {policy:<36} lat mean {r['lat_mean']:6.2f} p50 {r['lat_p50']:6.2f} p99 {r['lat_p99']:6.2f} "
+                          f"({100 * (r['lat_p99'] / base['lat_p99'] - 1):+4.0f}%)  ttft mean {r['ttft_mean']:.3f} p50 {r['ttft_p50']:.3f} "
+                          f"p99 {r['ttft_p99']:.3f}  hit {r['hit_rate']:.1%}  refused {r['refused']} (p99 {r['refusal_p99']:.2f}s)  prompt share {r['share']}")
     return 0
 
 

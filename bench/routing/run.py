@@ -34,13 +34,43 @@ if __package__ in (None, ""):  # run as a script: python bench/routing/run.py
     __package__ = "bench.routing"
 
 from .client import replay, summarize  # noqa: E402
-from .fleet import GatewayProc, SimProc  # noqa: E402
-from .trace import SimParams, fleet_capacity, make_trace  # noqa: E402
+from .fleet import GatewayProc, SimProc, SmgProc  # noqa: E402
+from .trace import SimParams, fleet_capacity, make_trace, mixed_trace  # noqa: E402
 
 MODEL = "bench-model"
 FLEETS = {"heterogeneous": [2.0, 1.0, 1.0, 0.5], "homogeneous": [1.0, 1.0, 1.0, 1.0]}
-POLICIES = ("least_in_flight", "min_expected_latency", "least_load", "round_robin", "random")
+POLICIES = ("least_in_flight", "min_expected_latency", "least_load", "round_robin", "random", "smg:cache_aware", "smg:least_load")
 BASELINE = "least_in_flight"
+# The mixed-priority run's keys: name -> (secret, priority class).
+KEYS = {"ui": ("sk-bench-ui", "interactive"), "bulk": ("sk-bench-bulk", "batch")}
+
+
+def _value(v: str):
+    for cast in (int, float):
+        try:
+            return cast(v)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(v, v)
+
+
+def start_router(workdir: Path, spec: str, sims: list[SimProc], balancer: dict, keys: dict | None = None):
+    """``smg:POLICY`` (the SGLang model gateway), or ``POLICY[:field=value+queue.field=value...]`` (ours)."""
+    name, _, knobs = spec.partition(":")
+    if name == "smg":
+        if keys:
+            raise ValueError("the mixed-priority run needs per-key priorities, which smg launch has no flag for")
+        return SmgProc(workdir, knobs, sims, MODEL)
+    cfg = {**balancer, "queue": dict(balancer.get("queue", {}))}
+    for kv in filter(None, knobs.split("+")):
+        k, _, v = kv.partition("=")
+        if k.startswith("queue."):
+            cfg["queue"][k[6:]] = _value(v)
+        else:
+            cfg[k] = _value(v)
+    if not cfg["queue"]:
+        del cfg["queue"]
+    return GatewayProc(workdir, name, sims, cfg, keys)
 
 
 def _wait_idle(sims: list[SimProc], timeout: float = 60.0) -> None:
@@ -52,14 +82,16 @@ def _wait_idle(sims: list[SimProc], timeout: float = 60.0) -> None:
     raise TimeoutError("backends still busy after the previous run")
 
 
-def run_one(workdir: Path, policy: str, sims: list[SimProc], trace, warmup: float, balancer: dict, verbose: bool = False) -> dict:
+def run_one(workdir: Path, policy: str, sims: list[SimProc], trace, warmup: float, balancer: dict, verbose: bool = False,
+            keys: dict | None = None) -> dict:
     _wait_idle(sims)
     for s in sims:
         s.control(clear_cache=True)
     before = [s.stats() for s in sims]
-    gw = GatewayProc(workdir, policy, sims, balancer)
+    gw = start_router(workdir, policy, sims, balancer, keys)
+    secrets = {n: k for n, (k, _) in (keys or {}).items()}
     try:
-        results, wall = asyncio.run(replay(gw.url, trace, timeout=trace.duration * 4 + 60))
+        results, wall = asyncio.run(replay(gw.url, trace, timeout=trace.duration * 4 + 60, secrets=secrets))
     finally:
         gw.stop()
     if gw.state_path.exists():
@@ -74,11 +106,18 @@ def run_one(workdir: Path, policy: str, sims: list[SimProc], trace, warmup: floa
     total = sum(submitted) or 1
     row["share"] = "/".join(f"{100 * x / total:.0f}" for x in submitted)
     row["policy"] = policy
+    if keys:
+        for name in keys:
+            mine = [r for r in results if r.key == name]
+            sub = summarize(mine, wall, warmup=int(len(mine) * warmup))
+            row[f"{name}_ttft_p99"] = sub["ttft_p99"]
+            row[f"{name}_lat_p99"] = sub["lat_p99"]
+            row[f"{name}_refused"] = sub["refused"]
     return row
 
 
 COLUMNS = (
-    ("policy", "policy", "{:<21}"),
+    ("policy", "policy", "{:<36}"),
     ("throughput_rps", "req/s", "{:>6.2f}"),
     ("tokens_per_s", "tok/s", "{:>6.0f}"),
     ("lat_mean", "lat mean", "{:>8.2f}"),
@@ -89,19 +128,43 @@ COLUMNS = (
     ("ttft_p99", "ttft p99", "{:>9.3f}"),
     ("hit_rate", "hit %", "{:>6.1%}"),
     ("errors", "err", "{:>4d}"),
+    ("refused", "shed", "{:>5d}"),
+    ("refusal_p99", "shed p99", "{:>8.3f}"),
     ("share", "share % per backend", "  {}"),
 )
 
 
 def print_table(title: str, rows: list[dict]) -> None:
     print(f"\n{title}")
-    print(" ".join(f"{h:>{len(fmt.format(0) if 'd' in fmt or 'f' in fmt or '%' in fmt else h)}}" if k != "policy" and k != "share" else (f"{h:<21}" if k == "policy" else f"  {h}") for k, h, fmt in COLUMNS))
+    print(" ".join(f"{h:>{len(fmt.format(0) if 'd' in fmt or 'f' in fmt or '%' in fmt else h)}}" if k != "policy" and k != "share" else (f"{h:<36}" if k == "policy" else f"  {h}") for k, h, fmt in COLUMNS))
     base = next((r for r in rows if r["policy"] == BASELINE), None)
     for r in rows:
         line = " ".join(fmt.format(r[k]) for k, _, fmt in COLUMNS)
         if base is not None and r is not base and base["lat_p99"] > 0:
             line += f"   p99 {100 * (r['lat_p99'] / base['lat_p99'] - 1):+.0f}% vs {BASELINE}"
         print(line, flush=True)
+
+
+def run_mixed(workdir: Path, sims, speeds, fleet: str, capacity: float, loads, policies, duration: float, args, balancer: dict) -> list[dict]:
+    """Interactive TTFT with and without a batch flood from another key, for each of our policies."""
+    rows = []
+    for load in loads:
+        alone = mixed_trace(args.seed, interactive_rate=load * capacity, batch_rate=0.0, duration=duration, model=MODEL)
+        flood = mixed_trace(args.seed, interactive_rate=load * capacity, batch_rate=capacity, duration=duration, model=MODEL)
+        print(f"\nmixed priority, {fleet} fleet: interactive (key ui, short outputs) at {load:.0%} of capacity, "
+              f"alone ({len(alone.items)} requests) and with a batch flood at 100% (key bulk, {len(flood.items) - len(alone.items)} requests in bursts of 20)")
+        print(f"{'policy':<36} {'ui ttft p99 alone':>18} {'ui ttft p99 flood':>18} {'change':>7} {'ui lat p99 alone':>17} {'ui lat p99 flood':>17} "
+              f"{'ui shed':>8} {'bulk shed':>9} {'bulk lat p99':>12}")
+        for policy in policies:
+            if policy.startswith("smg:"):
+                continue
+            a = run_one(workdir, policy, sims, alone, args.warmup, balancer, keys=KEYS)
+            f = run_one(workdir, policy, sims, flood, args.warmup, balancer, keys=KEYS)
+            change = 100 * (f["ui_ttft_p99"] / a["ui_ttft_p99"] - 1) if a["ui_ttft_p99"] > 0 else float("nan")
+            print(f"{policy:<36} {a['ui_ttft_p99']:>18.3f} {f['ui_ttft_p99']:>18.3f} {change:>+6.0f}% {a['ui_lat_p99']:>17.2f} {f['ui_lat_p99']:>17.2f} "
+                  f"{f['ui_refused']:>8d} {f['bulk_refused']:>9d} {f['bulk_lat_p99']:>12.2f}", flush=True)
+            rows.append({"mode": "mixed", "fleet": fleet, "load": load, "policy": policy, "alone": a, "flood": f})
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=float, default=0.1, help="share of the first requests left out of the figures")
     p.add_argument("--verbose", action="store_true", help="print each balancer's learnt state after its run")
     p.add_argument("--json", type=Path, default=None, help="also write every row here")
+    p.add_argument("--mixed", action="store_true",
+                   help="mixed-priority run instead: interactive short requests (key ui) at --loads, alone and with a batch flood (key bulk) at 100%% load")
     args = p.parse_args(argv)
     loads = [float(x) for x in (args.loads or ("0.8" if args.quick else "0.6,0.8,0.95")).split(",")]
     duration = args.duration or (40.0 if args.quick else 60.0)
@@ -139,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
                 for sp in speeds:
                     sims.append(SimProc(MODEL, sp, params.argv(sp)))
                 capacity = fleet_capacity(params, speeds, args.seed, MODEL, args.shared)
+                if args.mixed:
+                    all_rows += run_mixed(workdir, sims, speeds, fleet, capacity, loads, policies, duration, args, balancer)
+                    continue
                 for load in loads:
                     trace = make_trace(args.seed, rate=load * capacity, duration=duration, model=MODEL, shared_share=args.shared)
                     rows = []

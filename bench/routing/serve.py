@@ -1,9 +1,7 @@
 """The gateway process of the routing bench: ``python -m bench.routing.serve CONFIG.yaml PORT``.
 
-The same wiring as ``gateway serve``, plus what the app may not wire yet: the balancer gets its
-config section (``make_balancer(policy, config.balancer)``) and a ``MetricsScraper`` polls the
-backends' /metrics every ``balancer.scrape_interval``. When the app already does either, this
-adds nothing.
+The same wiring as ``gateway serve``; when the run ends, the balancer's learnt state is written
+next to the config (``CONFIG.state.json``).
 """
 
 from __future__ import annotations
@@ -13,34 +11,19 @@ import logging
 import sys
 from pathlib import Path
 
-import httpx
 import uvicorn
 
 from gateway.app import Gateway
 from gateway.config import load_config
-from gateway.routing.balancer import make_balancer
-from gateway.routing.signals import MetricsScraper
 
 
 class BenchGateway(Gateway):
     def __init__(self, config):
         super().__init__(config)
-        if getattr(self.balancer, "config", None) is not config.balancer:
-            self.balancer = make_balancer(config.balancer.policy, config.balancer)
-        self._own_scraper: MetricsScraper | None = None
-        self._scrape_client: httpx.AsyncClient | None = None
         self.state_path: Path | None = None
 
-    async def startup(self) -> None:
-        await super().startup()
-        interval = self.config.balancer.scrape_interval
-        if interval > 0 and getattr(self, "scraper", None) is None:
-            self._scrape_client = httpx.AsyncClient(timeout=2.0)
-            self._own_scraper = MetricsScraper(lambda: self.pool, self.balancer.observe_signals, interval=interval, client=self._scrape_client)
-            self._own_scraper.start()
-
     def describe(self) -> dict:
-        """The balancer's learnt state, written next to the config when the run ends."""
+        """The balancer's learnt state."""
         bal = self.balancer
         out: dict = {"policy": bal.name}
         if hasattr(bal, "gamma"):
@@ -48,16 +31,13 @@ class BenchGateway(Gateway):
             out.update(gamma=bal.gamma, rho=bal.rho, fleet_sigma=fleet, picks=bal.picks, affinity_picks=bal.affinity_picks)
             out["sigma"] = {b.id: bal.sigma(b, fleet) for b in self.pool}
             out["sizes"] = {m: {"fill": s.fill, "out_avg": s.out_avg, "token_ratio": s.token_ratio} for m, s in bal.sizes.items()}
-        out["signals"] = {b.id: repr(b.stats.get("signals")) for b in self.pool}
+        if self.scraper is not None:
+            out["signals"] = {i: repr(sig) for i, sig in self.scraper.signals.items()}
         return out
 
     async def shutdown(self) -> None:
         if self.state_path is not None:
             self.state_path.write_text(json.dumps(self.describe(), indent=1, default=str))
-        if self._own_scraper is not None:
-            await self._own_scraper.stop()
-        if self._scrape_client is not None:
-            await self._scrape_client.aclose()
         await super().shutdown()
 
 

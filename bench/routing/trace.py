@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import random
+import dataclasses
 from dataclasses import dataclass, field
 
 
@@ -59,6 +60,7 @@ class Item:
     output_tokens: int
     shared: bool  # starts with one of the shared documents
     document_tokens: int = 0
+    key: str = ""  # the API key's name that sends it (mixed-priority runs); "" without authentication
 
 
 @dataclass
@@ -155,3 +157,26 @@ def fleet_capacity(params: SimParams, speeds: list[float], seed: int, model: str
     questions = sum(x.prompt_tokens - x.document_tokens for x in probe.items) / len(probe.items)
     per_request = params.seconds_per_request(questions, probe.mean_output)
     return sum(speeds) / per_request
+
+
+def mixed_trace(seed: int, *, interactive_rate: float, batch_rate: float, duration: float, model: str) -> Trace:
+    """An interactive stream of short requests (key ``ui``) plus a batch flood (key ``bulk``, the
+    usual length mix, arriving in bursts of 20 at ``batch_rate`` on average)."""
+    rng = random.Random(seed * 7919 + 1)
+    ui = make_trace(seed, rate=interactive_rate, duration=duration, model=model)
+    items = []
+    for it in ui.items:
+        out = min(it.output_tokens, 16)
+        body = {**it.body, "max_tokens": out}
+        items.append(dataclasses.replace(it, body=body, output_tokens=out, key="ui"))
+    if batch_rate > 0:
+        bulk = make_trace(seed + 1000, rate=batch_rate, duration=duration, model=model)
+        burst_at = 0.0
+        for j, it in enumerate(bulk.items):
+            if j % 20 == 0:
+                burst_at = it.at + rng.uniform(0, 1)
+            items.append(dataclasses.replace(it, at=min(duration, burst_at + 0.01 * (j % 20)), key="bulk"))
+    items.sort(key=lambda x: x.at)
+    n = max(1, len(items))
+    return Trace(items=items, rate=interactive_rate + batch_rate, duration=duration,
+                 mean_prompt=sum(x.prompt_tokens for x in items) / n, mean_output=sum(x.output_tokens for x in items) / n)

@@ -138,7 +138,7 @@ class LaunchGroup:
     max_restarts: int = 5  # restarts in a row without a stable run; then the instance is given up
     restart_backoff: float = 1.0  # first delay before a restart; doubles each time
     restart_backoff_max: float = 60.0
-    health_interval: float = 5.0  # the launcher's own liveness probe, beside the pool's checks
+    health_interval: float = 5.0  # how often the pool probes an instance of this group while it is healthy
     unhealthy_after: float = 30.0  # a live process failing /health this long is restarted
     stable_after: float = 300.0  # healthy this long resets the restart count
     index: int = 0  # position under `launch`, for messages

@@ -24,7 +24,9 @@ from .. import metrics, tracing
 from ..errors import Refusal, model_not_found, sse_error_event
 from ..filters import RequestContext
 from ..upstream import Upstream, UpstreamFailure, UpstreamInvalid, UpstreamResponse, UpstreamTimeout
-from .balancer import Balancer, Outcome, RequestInfo
+from ..config.balancer import DEFAULT_PRIORITY
+from .policies import Balancer, Outcome, RequestInfo
+from .queue import GatewayQueue
 from .pool import Backend, BackendPool
 
 log = logging.getLogger("gateway.router")
@@ -39,10 +41,6 @@ UPSTREAM_FAILED = Refusal(502, "The backend could not be reached.", "upstream_un
 INVALID_RESPONSE = Refusal(502, "The backend sent an invalid response.", "upstream_invalid_response", code="bad_gateway")
 TOO_LARGE = Refusal(502, "The backend's response was larger than this gateway accepts.", "upstream_response_too_large", code="bad_gateway")
 LOGGED_ERROR_BYTES = 2048  # of a backend's 5xx body, for the operator's log
-
-
-def invalid(exc: UpstreamInvalid) -> Refusal:
-    return TOO_LARGE if exc.reason == "body_too_large" else INVALID_RESPONSE
 
 
 def backend_error(status: int, retry_after: bytes | None) -> Refusal:
@@ -65,6 +63,7 @@ class Router:
         self.upstream = upstream
         self.retries = retries
         self._ttfb: dict[str, object] = {}
+        self.queue: GatewayQueue | None = None  # late binding, priorities and shedding; set by the Gateway
 
     def _observe_ttfb(self, kind: str, seconds: float) -> None:
         child = self._ttfb.get(kind)
@@ -94,9 +93,17 @@ class Router:
                 refusal = NO_BACKEND if self.pool.knows_model(model) else model_not_found(model)
                 await reply(refusal)
                 return refusal.status
-            with tracing.child(ctx, "pick", candidates=len(candidates)):
-                backend = self.balancer.pick(candidates, req)
-            self.balancer.dispatched(backend, req)
+            if attempt == 0 and self.queue is not None:
+                # The queue binds the request to a backend (picked and dispatched) when one has room.
+                admitted = await self.queue.acquire(req, ctx.key.name if ctx.key else "", ctx.key.priority if ctx.key else DEFAULT_PRIORITY)
+                if isinstance(admitted, Refusal):
+                    await reply(admitted)
+                    return admitted.status
+                backend = admitted
+            else:
+                with tracing.child(ctx, "pick", candidates=len(candidates)):
+                    backend = self.balancer.pick(candidates, req)
+                self.balancer.dispatched(backend, req)
             last = attempt == attempts - 1
             status = await self._attempt(backend, req, ctx, path, payload, headers, send, reply, last)
             if status is not None:
@@ -131,11 +138,7 @@ class Router:
                 return TIMEOUTS[exc.phase].status
             except UpstreamInvalid as exc:
                 # Not retried: a misbehaving backend is answered for, not hidden behind another try.
-                self.pool.report_failure(b)
-                metrics.UPSTREAM_ERRORS.labels(backend=b.id, kind=f"invalid_{exc.reason}").inc()
-                log.warning("backend %s sent an invalid response (%s)", b.id, exc.reason)
-                await reply(invalid(exc))
-                return invalid(exc).status
+                return await self._refuse_invalid(b, exc, reply)
             except UpstreamFailure as exc:
                 kind = exc.kind
                 metrics.UPSTREAM_ERRORS.labels(backend=b.id, kind=kind).inc()
@@ -167,9 +170,10 @@ class Router:
             finally:
                 await response.aclose()
         finally:
-            ctx.outcome = outcome  # usage, for the state layer's settling
             self.balancer.completed(b, req, outcome)
-            ctx.backend, ctx.outcome = b.id, outcome  # for the access log and the trace
+            if self.queue is not None:
+                self.queue.completed(req.model)
+            ctx.backend, ctx.outcome = b.id, outcome  # for the access log, the trace and the state layer's settling
 
     async def _relay_whole(
         self,
@@ -189,10 +193,7 @@ class Router:
             await reply(TIMEOUTS[exc.phase])
             return
         except UpstreamInvalid as exc:
-            self.pool.report_failure(b)
-            metrics.UPSTREAM_ERRORS.labels(backend=b.id, kind=f"invalid_{exc.reason}").inc()
-            log.warning("backend %s sent an invalid response (%s)", b.id, exc.reason)
-            await reply(invalid(exc))
+            await self._refuse_invalid(b, exc, reply)
             return
         except UpstreamFailure:
             self.pool.report_failure(b)
@@ -208,6 +209,14 @@ class Router:
         hdrs.append((b"content-length", str(len(body)).encode()))
         await send({"type": "http.response.start", "status": response.status, "headers": hdrs})
         await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    async def _refuse_invalid(self, b: Backend, exc: UpstreamInvalid, reply: Callable[[Refusal], Awaitable[None]]) -> int:
+        self.pool.report_failure(b)
+        metrics.UPSTREAM_ERRORS.labels(backend=b.id, kind=f"invalid_{exc.reason}").inc()
+        log.warning("backend %s sent an invalid response (%s)", b.id, exc.reason)
+        refusal = TOO_LARGE if exc.reason == "body_too_large" else INVALID_RESPONSE
+        await reply(refusal)
+        return refusal.status
 
     async def _replace_error(self, b: Backend, response: UpstreamResponse, reply: Callable[[Refusal], Awaitable[None]]) -> None:
         """A backend 5xx: log (the start of) its body, answer with our own error of the same status."""

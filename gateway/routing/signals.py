@@ -1,8 +1,8 @@
 """Live signals from the backends' own /metrics, for the balancer.
 
 ``MetricsScraper`` polls each healthy backend's /metrics every ``balancer.scrape_interval``
-seconds, parses LMDeploy's gauges and keeps one ``Signals`` per backend in
-``backend.stats["signals"]``. After every poll it calls the balancer's
+seconds, parses LMDeploy's gauges and keeps one ``Signals`` per backend id (dropped when the
+backend leaves the pool). After every poll it calls the balancer's
 ``observe_signals(backend, signals, changed)``. LMDeploy refreshes these gauges only every 10 s, so
 ``changed`` matters more than the poll itself: until the numbers change, the balancer keeps
 crediting the work it dispatched since the last change.
@@ -135,6 +135,7 @@ class MetricsScraper:
         self._client = client
         self._periodic = Periodic("metrics-scraper", self.scrape_all, lambda: self.interval, log)
         self.failures = 0  # polls that got no usable answer
+        self.signals: dict[str, Signals] = {}  # by backend id
 
     async def scrape(self, b: Backend) -> bool:
         client = self._client
@@ -150,15 +151,20 @@ class MetricsScraper:
             return False
         if not values:
             return False  # not an LMDeploy server, or metrics disabled (--enable-metrics)
-        sig = b.stats.get("signals")
+        sig = self.signals.get(b.id)
         if sig is None:
-            sig = b.stats["signals"] = Signals(max_age=max(30.0, 3 * self.interval))
+            sig = self.signals[b.id] = Signals(max_age=max(30.0, 3 * self.interval))
         changed = update_signals(sig, values, self.clock())
         self.on_sample(b, sig, changed)
         return True
 
     async def scrape_all(self) -> None:
-        await asyncio.gather(*(self.scrape(b) for b in self.backends() if b.healthy))
+        backends = list(self.backends())
+        if len(self.signals) > len(backends):  # some left the pool: their numbers go with them
+            present = {b.id for b in backends}
+            for gone in [i for i in self.signals if i not in present]:
+                del self.signals[gone]
+        await asyncio.gather(*(self.scrape(b) for b in backends if b.healthy))
 
     def start(self, client: httpx.AsyncClient | None = None) -> None:
         if client is not None:

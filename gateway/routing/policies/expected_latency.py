@@ -1,195 +1,26 @@
-"""Load balancing policies. One interface, several policies selectable by name.
+"""``min_expected_latency`` (default, ours): route each request to the backend where it is expected to finish first.
 
-A policy sees only eligible backends (the pool filtered them) and a ``RequestInfo``. The router
-calls ``pick`` then ``dispatched`` in the same event-loop step (so the pick and the reservation are
-atomic within a process), ``first_byte`` when the response starts and ``completed`` exactly once
-per dispatch. A retry on another backend is a second ``pick``/``dispatched`` with the same
-``RequestInfo`` after the first attempt's ``completed``.
-
-Policies:
-
-- ``min_expected_latency`` (default, ours): ``ExpectedLatencyBalancer``; the formula is below.
-- ``least_in_flight``: fewest requests in flight through this gateway. This is what LMDeploy's proxy
-  computes (``unfinished / speed`` with a speed nobody reports).
-- ``round_robin``, ``random``.
-- ``least_load``: SGLang's formula ``(queued tokens + tokens dispatched since the last poll) /
-  throughput + 0.15 s × k/(1-k)``, k the KV-cache usage, on LMDeploy's scraped gauges.
+The model and how it is learnt are in ``ExpectedLatencyBalancer``'s docstring.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-import random
-import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
-from ..config.balancer import POLICIES, BalancerConfig
-from ..metrics import AFFINITY_PICKS
-from .pool import Backend
-from .prefix import BOUNDARIES, CHARS_PER_TOKEN, PrefixMemory, key_tokens, prefix_keys, scan_prompt
-from .signals import Signals
+from ...metrics import AFFINITY_PICKS
+from ..pool import Backend
+from ..prefix import PrefixMemory, key_tokens
+from ..signals import Signals
+from .base import Balancer, Outcome, PerBackend, Prediction, RequestInfo
+from .sizes import Sizes, SizesByModel
 
 
-@dataclass(slots=True, eq=False)
-class RequestInfo:
-    model: str
-    stream: bool = False
-    prompt_tokens: int = 0  # estimated from the body
-    max_tokens: int | None = None  # what the client asked for, if it did
-    prefix_keys: tuple[int, ...] = ()  # hashes of the prompt's leading blocks, for prefix affinity
-    extra: dict[str, Any] = field(default_factory=dict)  # free for the router
-    # Set by the policy for the current attempt.
-    out_tokens: float = field(default=0.0, init=False, repr=False)  # expected completion tokens
-    uncached: float = field(default=0.0, init=False, repr=False)  # expected prompt tokens the backend must prefill
-    prefill_ahead: float = field(default=0.0, init=False, repr=False)  # prefill tokens queued before this one, incl. its own
-    kv_tokens: float = field(default=0.0, init=False, repr=False)  # KV the request holds at its end: prompt + output
-    dispatched_at: float = field(default=0.0, init=False, repr=False)
-    first_byte_at: float = field(default=0.0, init=False, repr=False)
-    area_at: float = field(default=0.0, init=False, repr=False)  # the backend's ∫batch dt when decoding began
-    picked: tuple[Backend | None, int] = field(default=(None, 0), init=False, repr=False)  # (backend, prefix depth) from pick
+class BackendModel:
+    """What the expected-latency policy knows about one backend."""
 
-
-@dataclass(slots=True)
-class Outcome:
-    status: int  # upstream HTTP status, or 0 when no response arrived
-    ok: bool  # a complete, successful response
-    ttft: float | None = None  # seconds from dispatch to the first response byte
-    duration: float = 0.0  # seconds from dispatch to the end
-    prompt_tokens: int | None = None  # from usage, when the response carried it
-    completion_tokens: int | None = None
-    cached_tokens: int | None = None
-
-
-def request_info(model: str, body: dict[str, Any]) -> RequestInfo:
-    mt = body.get("max_tokens", body.get("max_completion_tokens", body.get("max_output_tokens")))
-    head, chars = scan_prompt(body)
-    return RequestInfo(
-        model=model,
-        stream=body.get("stream") is True,
-        prompt_tokens=chars // CHARS_PER_TOKEN + 1,
-        max_tokens=mt if isinstance(mt, int) and not isinstance(mt, bool) and mt > 0 else None,
-        prefix_keys=prefix_keys(head) if len(head) >= BOUNDARIES[0] else (),
-    )
-
-
-class Balancer:
-    """Base policy: subclasses override ``pick``; bookkeeping of in-flight requests is shared."""
-
-    name = "base"
-
-    def __init__(self, config: BalancerConfig | None = None, *, clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None):
-        self.config = config or BalancerConfig()
-        self.clock = clock
-        self.rng = rng or random.Random()
-
-    # Policies that weigh work need the prompt scanned (token estimate, prefix keys); the others
-    # must not pay for it on every request.
-    reads_prompt = False
-
-    def describe(self, model: str, body: dict[str, Any]) -> RequestInfo:
-        """What the policy needs to know of one request."""
-        if self.reads_prompt:
-            return request_info(model, body)
-        return RequestInfo(model=model, stream=body.get("stream") is True)
-
-    def pick(self, candidates: Sequence[Backend], req: RequestInfo) -> Backend:
-        raise NotImplementedError
-
-    def dispatched(self, backend: Backend, req: RequestInfo) -> None:
-        backend.in_flight += 1
-
-    def first_byte(self, backend: Backend, req: RequestInfo, ttft: float) -> None:
-        pass
-
-    def completed(self, backend: Backend, req: RequestInfo, outcome: Outcome) -> None:
-        backend.in_flight -= 1
-
-    def observe_signals(self, backend: Backend, signals: Signals, changed: bool) -> None:
-        """Called by the ``MetricsScraper`` after each poll of a backend's /metrics."""
-
-    def _least(self, candidates: Sequence[Backend], score: Callable[[Backend], float]) -> Backend:
-        """The lowest score, ties at random."""
-        scored = [(score(b), b) for b in candidates]
-        best = min(s for s, _ in scored)
-        ties = [b for s, b in scored if s <= best]
-        return ties[0] if len(ties) == 1 else self.rng.choice(ties)
-
-
-class LeastInFlight(Balancer):
-    """Fewest requests in flight through this gateway; ties at random (LMDeploy proxy's effective policy)."""
-
-    name = "least_in_flight"
-
-    def pick(self, candidates: Sequence[Backend], req: RequestInfo) -> Backend:
-        return self._least(candidates, lambda b: b.in_flight)
-
-
-class RoundRobin(Balancer):
-    name = "round_robin"
-
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self._counter = itertools.count()
-
-    def pick(self, candidates: Sequence[Backend], req: RequestInfo) -> Backend:
-        return candidates[next(self._counter) % len(candidates)]
-
-
-class RandomChoice(Balancer):
-    name = "random"
-
-    def pick(self, candidates: Sequence[Backend], req: RequestInfo) -> Backend:
-        return self.rng.choice(candidates)
-
-
-# -- shared estimates of request size ------------------------------------------------------------
-
-
-class _Sizes:
-    """Per-model running averages that turn a request body into token counts.
-
-    - ``token_ratio``: usage.prompt_tokens / our chars-per-4 estimate.
-    - ``fill``: completion_tokens / max_tokens, when the client set max_tokens.
-    - ``out_avg``: completion_tokens, for requests without max_tokens.
-    """
-
-    __slots__ = ("token_ratio", "fill", "out_avg", "tokens_avg")
-
-    def __init__(self) -> None:
-        self.token_ratio = 1.0
-        self.fill = 1.0
-        self.out_avg = 256.0
-        self.tokens_avg = 512.0  # prompt + completion per request
-
-    def prompt(self, req: RequestInfo) -> float:
-        return req.prompt_tokens * self.token_ratio
-
-    def output(self, req: RequestInfo) -> float:
-        if req.max_tokens is not None:
-            return max(1.0, min(req.max_tokens * self.fill, float(req.max_tokens)))
-        return self.out_avg
-
-    def learn(self, req: RequestInfo, outcome: Outcome, a: float = 0.05) -> None:
-        if outcome.prompt_tokens and req.prompt_tokens > 1:
-            self.token_ratio += a * (outcome.prompt_tokens / req.prompt_tokens - self.token_ratio)
-        ct = outcome.completion_tokens
-        if ct is not None and ct >= 0:
-            if req.max_tokens:
-                self.fill += a * (min(1.0, ct / req.max_tokens) - self.fill)
-            else:
-                self.out_avg += a * (ct - self.out_avg)
-            self.tokens_avg += a * ((outcome.prompt_tokens or self.prompt(req)) + ct - self.tokens_avg)
-
-
-# -- the expected-latency model ---------------------------------------------------------------------
-
-
-class _BackendModel:
-    """What the expected-latency policy knows about one backend (kept in ``backend.stats["latency"]``)."""
-
-    __slots__ = ("inflight", "area", "area_t", "w", "sn", "sy", "fit", "ext", "if_max", "slots", "kv", "kv_capacity", "prefixes")
+    __slots__ = ("inflight", "area", "area_t", "w", "sn", "sy", "fit", "ext", "if_max", "slots", "kv", "kv_capacity", "prefixes", "signals")
 
     def __init__(self, now: float, prefixes: PrefixMemory):
         self.inflight: dict[int, RequestInfo] = {}  # requests this gateway has on it
@@ -208,6 +39,7 @@ class _BackendModel:
         self.kv = 0.0  # KV tokens our in-flight requests will hold (prompt + output each)
         self.kv_capacity: float | None = None  # the engine's KV cache in tokens, from gpu_cache_usage_perc
         self.prefixes = prefixes
+        self.signals: Signals | None = None  # the last poll of its /metrics
 
     def batch(self) -> float:
         """Sequences in the engine's batch: ours and others', at most its slots (the rest wait)."""
@@ -275,6 +107,8 @@ class ExpectedLatencyBalancer(Balancer):
 
     name = "min_expected_latency"
     reads_prompt = True
+    reads_signals = True
+    predicts = True
     SIGMA0 = 0.03  # prior seconds per token of a lone sequence, before any backend has history
     GAMMA0 = 0.01  # prior: each sequence in the batch adds 1% to a step
     RHO0 = 0.005  # prior: prefilling a token costs 0.5% of a decode step
@@ -285,9 +119,9 @@ class ExpectedLatencyBalancer(Balancer):
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self.sizes: dict[str, _Sizes] = {}
+        self.sizes = SizesByModel()
         self.gamma = self.GAMMA0
-        self._backends: dict[str, _BackendModel] = {}  # by backend id, for the fleet-wide γ
+        self.models: PerBackend[BackendModel] = PerBackend(self._new_model)
         self._rho_num = 0.0
         self._rho_den = 0.0
         self._fleet = self.SIGMA0  # the candidates' pooled σ at the last pick
@@ -295,18 +129,19 @@ class ExpectedLatencyBalancer(Balancer):
         self.picks = 0
 
     # -- state --------------------------------------------------------------------------------
-    def _model(self, b: Backend) -> _BackendModel:
-        m = b.stats.get("latency")
-        if m is None:
-            m = b.stats["latency"] = _BackendModel(self.clock(), PrefixMemory(ttl=self.config.affinity_ttl))
-            self._backends[b.id] = m
+    def _new_model(self) -> BackendModel:
+        m = BackendModel(self.clock(), PrefixMemory(ttl=self.config.affinity_ttl))
+        m.slots = self.config.slots
         return m
 
-    def _sizes(self, model: str) -> _Sizes:
-        s = self.sizes.get(model)
-        if s is None:
-            s = self.sizes[model] = _Sizes()
-        return s
+    def _model(self, b: Backend) -> BackendModel:
+        return self.models(b)
+
+    def _sizes(self, model: str) -> Sizes:
+        return self.sizes[model]
+
+    def forget(self, backend_id: str) -> None:
+        self.models.forget(backend_id)
 
     @property
     def rho(self) -> float:
@@ -318,14 +153,14 @@ class ExpectedLatencyBalancer(Balancer):
         sy = sx = 0.0
         g = self.gamma
         for b in backends if backends is not None else ():
-            m = b.stats.get("latency")
+            m = self.models.get(b)
             if m is not None:
                 sy += m.sy
                 sx += m.w + g * m.sn
         return sy / sx if sx > 0 else self.SIGMA0
 
     def sigma(self, b: Backend, fleet: float) -> float:
-        m = b.stats.get("latency")
+        m = self.models.get(b)
         if m is None:
             return fleet
         return (m.sy + fleet) / (m.w + self.gamma * m.sn + 1.0)
@@ -338,7 +173,12 @@ class ExpectedLatencyBalancer(Balancer):
 
     # -- the estimate -----------------------------------------------------------------------------
     def expected_latency(self, b: Backend, req: RequestInfo, now: float, fleet: float, depth: int | None = None) -> tuple[float, int]:
-        """(L_b(r), prefix depth b holds for r); ``req.out_tokens`` and ``req.uncached`` must be set."""
+        """(L_b(r), prefix depth b holds for r); ``req.out_tokens`` must be set."""
+        pred, depth = self._estimate(b, req, now, fleet, depth)
+        return pred.e2e, depth
+
+    def _estimate(self, b: Backend, req: RequestInfo, now: float, fleet: float, depth: int | None = None) -> tuple[Prediction, int]:
+        """b's predicted TTFT and end-to-end latency for r, and the prefix depth b holds for r."""
         m = self._model(b)
         if depth is None:
             depth = m.prefixes.depth(req.prefix_keys, now) if req.prefix_keys else 0
@@ -367,15 +207,18 @@ class ExpectedLatencyBalancer(Balancer):
             shared += rem if rem < d else d
             rems.append((rem, j.kv_tokens))
         sizes = self._sizes(req.model)
+        ext_rem = 0.0
         if m.ext:
-            shared += m.ext * min(sizes.out_avg / 2, d)
+            ext_rem = min(sizes.out_avg / 2, d)
+            shared += m.ext * ext_rem
             queued += m.ext * sizes.prompt(req) * 0.1  # some of the others are in prefill; a rough share
         prompt = sizes.prompt(req)
         uncached = max(0.0, prompt - key_tokens(depth))
-        lat = self.rho * sigma * (queued + uncached) + sigma * (1.0 + g) * d + sigma * g * shared
-        wait = self._wait_steps(m, rems, prompt + d)
-        if wait:
-            lat += wait * step
+        prefill = self.rho * sigma * (queued + uncached)
+        lat = prefill + sigma * (1.0 + g) * d + sigma * g * shared
+        wait = self._wait_steps(m, rems, prompt + d, int(m.ext), sizes.out_avg / 2)
+        wait_s = wait * step
+        lat += wait_s
         others = self.config.others_weight
         if others:
             # What r costs the requests already there: σγ more per step they share, and, when the
@@ -384,19 +227,36 @@ class ExpectedLatencyBalancer(Balancer):
             behind = len(rems) + 1 - m.slots if m.slots is not None else 0
             if behind > 0:
                 lat += others * behind * d * step / m.slots
-        lat /= self._ramp(b, now)
-        sig = b.stats.get("signals")
+        # The first token comes after the wait for a slot (the prefill queue drains meanwhile), r's
+        # own prefill and one step.
+        ttft = max(wait_s, self.rho * sigma * queued) + self.rho * sigma * uncached + step
+        ramp = self._ramp(b, now)
+        lat /= ramp
+        ttft /= ramp
+        sig = m.signals
         if sig is not None and self.config.kv_penalty and sig.fresh(now):
             k = min(sig.kv_usage, 0.99)
-            lat += self.config.kv_penalty * k / (1.0 - k)
-        return lat, depth
+            pen = self.config.kv_penalty * k / (1.0 - k)
+            lat += pen
+            ttft += pen
+        free = m.slots - len(rems) - m.ext if m.slots is not None else float("inf")
+        return Prediction(ttft=ttft, e2e=lat, wait=wait_s / ramp, slots=m.slots, free=free, prefill_ahead=self.rho * sigma * queued / ramp), depth
+
+    def predict(self, candidates: Sequence[Backend], req: RequestInfo) -> list[Prediction]:
+        """What each candidate would do with r if it were sent now."""
+        self._prepare(req)
+        now = self.clock()
+        fleet = self.fleet_sigma(candidates)
+        return [self._estimate(b, req, now, fleet)[0] for b in candidates]
 
     @staticmethod
-    def _wait_steps(m: _BackendModel, rems: list[tuple[float, float]], kv_new: float) -> float:
-        """Decode steps until r is admitted: a batch slot and room for its KV must both free up."""
+    def _wait_steps(m: BackendModel, rems: list[tuple[float, float]], kv_new: float, ext: int = 0, ext_rem: float = 0.0) -> float:
+        """Decode steps until r is admitted: a batch slot and room for its KV must both free up.
+        Sequences of others (``ext``, from /metrics) take slots too; each has ``ext_rem`` tokens left."""
         wait = 0.0
-        if m.slots is not None and len(rems) + 1 > m.slots:
-            wait = heapq.nsmallest(len(rems) + 1 - m.slots, rems)[-1][0]
+        if m.slots is not None and len(rems) + ext + 1 > m.slots:
+            ahead = rems + [(ext_rem, 0.0)] * ext if ext else rems
+            wait = heapq.nsmallest(len(ahead) + 1 - m.slots, ahead)[-1][0]
         if m.kv_capacity is not None and rems:
             need = m.kv + kv_new - m.kv_capacity
             if need > 0:
@@ -428,7 +288,22 @@ class ExpectedLatencyBalancer(Balancer):
             return candidates[0]
         now = self.clock()
         fleet = self._fleet = self.fleet_sigma(candidates)
-        scored = [(*self.expected_latency(b, req, now, fleet), b) for b in candidates]
+        scored = []  # (the objective's score, prefix depth, backend)
+        objective = self.config.objective
+        preds = [(*self._estimate(b, req, now, fleet), b) for b in candidates]
+        if objective == "e2e_plus_ttft":
+            # The person waits for the first token, then reads as it streams: TTFT weighs extra.
+            w = self.config.ttft_weight
+            scored = [(p.e2e + w * p.ttft, depth, b) for p, depth, b in preds]
+        elif objective == "e2e_within_ttft":
+            # Only the backends that start r about as soon as the best one does; among them the
+            # one that finishes it first.
+            limit = min(p.ttft for p, _, _ in preds) + self.config.ttft_slack
+            scored = [(p.e2e, depth, b) for p, depth, b in preds if p.ttft <= limit]
+        elif objective == "ttft":
+            scored = [(p.ttft, depth, b) for p, depth, b in preds]
+        else:
+            scored = [(p.e2e, depth, b) for p, depth, b in preds]
         best_lat = min(s[0] for s in scored)
         tol = 1e-9 * abs(best_lat)
         ties = [s for s in scored if s[0] <= best_lat + tol]
@@ -498,7 +373,7 @@ class ExpectedLatencyBalancer(Balancer):
             self._sizes(req.model).learn(req, outcome)
             self._learn_speed(backend, m, req, outcome, now)
 
-    def _learn_speed(self, b: Backend, m: _BackendModel, req: RequestInfo, outcome: Outcome, now: float) -> None:
+    def _learn_speed(self, b: Backend, m: BackendModel, req: RequestInfo, outcome: Outcome, now: float) -> None:
         k = outcome.completion_tokens
         if k is None or k < 2:
             return
@@ -529,7 +404,7 @@ class ExpectedLatencyBalancer(Balancer):
         its n̄ (a backend always at the same batch says nothing about the slope), plus a prior."""
         num = self.GAMMA0 * self.GAMMA_PRIOR
         den = self.GAMMA_PRIOR
-        for m in self._backends.values():
+        for m in self.models.values():
             w, sn, snn, sy, sny = m.fit
             if w < 5.0:
                 continue
@@ -546,6 +421,7 @@ class ExpectedLatencyBalancer(Balancer):
 
     def observe_signals(self, backend: Backend, signals: Signals, changed: bool) -> None:
         m = self._model(backend)
+        m.signals = signals
         m.advance(self.clock())
         if changed:
             seen = signals.running + signals.waiting
@@ -570,83 +446,3 @@ class ExpectedLatencyBalancer(Balancer):
         if not signals.fresh(self.clock()):
             m.ext = 0.0
         m.if_max = len(m.inflight)
-
-
-class LeastLoad(Balancer):
-    """SGLang's least_load on LMDeploy's gauges.
-
-    score_b = (queued_tokens_b + dispatched_tokens_b) / throughput_b + 0.15 s × k/(1-k)
-
-    - queued_tokens_b: (num_requests_waiting + num_requests_running) × the mean tokens of a request
-      (LMDeploy reports requests, not tokens).
-    - dispatched_tokens_b: prompt + expected output tokens this gateway sent b since its gauges
-      last changed.
-    - throughput_b: b's tokens per second from its token counters, as a decaying maximum (so an
-      idle backend is not mistaken for a slow one); the fleet mean before the first reading.
-    - k: gpu_cache_usage_perc.
-    """
-
-    name = "least_load"
-    reads_prompt = True
-
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.sizes: dict[str, _Sizes] = {}
-
-    def _sizes(self, model: str) -> _Sizes:
-        s = self.sizes.get(model)
-        if s is None:
-            s = self.sizes[model] = _Sizes()
-        return s
-
-    def pick(self, candidates: Sequence[Backend], req: RequestInfo) -> Backend:
-        now = self.clock()
-        sizes = self._sizes(req.model)
-        rates = [b.stats.get("ll_rate", 0.0) for b in candidates]
-        known = [r for r in rates if r > 0]
-        fleet_rate = sum(known) / len(known) if known else 1000.0
-        coef = self.config.kv_penalty
-
-        def score(b: Backend) -> float:
-            sig: Signals | None = b.stats.get("signals")
-            queued = kv = 0.0
-            if sig is not None and sig.fresh(now):
-                queued = (sig.waiting + sig.running) * sizes.tokens_avg
-                kv = min(sig.kv_usage, 0.99)
-            rate = b.stats.get("ll_rate", 0.0) or fleet_rate
-            return (queued + b.stats.get("ll_dispatched", 0.0)) / rate + coef * kv / (1.0 - kv)
-
-        return self._least(candidates, score)
-
-    def dispatched(self, backend: Backend, req: RequestInfo) -> None:
-        backend.in_flight += 1
-        sizes = self._sizes(req.model)
-        backend.stats["ll_dispatched"] = backend.stats.get("ll_dispatched", 0.0) + sizes.prompt(req) + sizes.output(req)
-
-    def completed(self, backend: Backend, req: RequestInfo, outcome: Outcome) -> None:
-        backend.in_flight -= 1
-        if outcome.ok:
-            self._sizes(req.model).learn(req, outcome)
-
-    def observe_signals(self, backend: Backend, signals: Signals, changed: bool) -> None:
-        if changed:
-            backend.stats["ll_dispatched"] = 0.0
-            if signals.token_rate > 0:
-                # A decaying maximum: capacity, not the current (possibly idle) rate.
-                prev = backend.stats.get("ll_rate", 0.0)
-                backend.stats["ll_rate"] = max(signals.token_rate, 0.9 * prev)
-
-
-_POLICIES: dict[str, type[Balancer]] = {
-    p.name: p for p in (ExpectedLatencyBalancer, LeastInFlight, RoundRobin, RandomChoice, LeastLoad)
-}
-assert set(_POLICIES) == set(POLICIES), "config POLICIES and the policy classes disagree"
-
-
-def make_balancer(policy: str, config: BalancerConfig | None = None, **kwargs: Any) -> Balancer:
-    """The policy named ``policy``; ``config`` carries its knobs (the policy field of config is not read)."""
-    try:
-        cls = _POLICIES[policy]
-    except KeyError:
-        raise ValueError(f"unknown balancer policy {policy!r}; choose one of: {', '.join(POLICIES)}") from None
-    return cls(config, **kwargs)

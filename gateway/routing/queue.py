@@ -1,0 +1,398 @@
+"""The gateway queue: late binding, priority classes, fair shares and load shedding, per model.
+
+A request is bound to a backend the moment one can start it soon. When every eligible backend
+would make it wait longer than ``hold_wait`` for a batch slot or KV room (the policy's
+prediction), it waits here instead of in a backend's queue, and is bound when a backend frees
+capacity: a response finishing, a /metrics poll, a backend coming back. Whoever frees capacity
+calls ``wake(model)``.
+
+Order: the highest priority class first; within a class, keys take turns by deficit round robin
+(each round a key may send ``quantum`` tokens' worth of requests), so one key's burst cannot
+starve the others; a key's own requests keep their order.
+
+Shedding: each class has a maximum wait. A request that is predicted not to start in time is
+refused at once (503, or 429 when its key holds more than its fair share of the class's queue),
+with ``Retry-After``; one still waiting at its deadline is refused then. When the queue is full, the
+newest request of the lowest class below the newcomer's makes room; otherwise the newcomer is
+refused.
+
+``Admission`` is the logic, without I/O or timers (the offline bench drives it in virtual time);
+``GatewayQueue`` adds the futures and deadline timers the router awaits. Capacity comes from
+``room``, by default the policy's predictions, whose load includes other gateway replicas' through
+the backends' /metrics; a shared in-flight count plugs in there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
+
+from .. import metrics
+from ..config.balancer import DEFAULT_PRIORITY, QueueConfig, priority_name
+from ..errors import Refusal
+from .policies import Balancer, Outcome, RequestInfo
+from .pool import Backend
+
+# (eligible backends, the request, its priority class) -> the backends that can start it now.
+Room = Callable[[Sequence[Backend], RequestInfo, int], Sequence[Backend]]
+
+# A request is refused on arrival when its predicted wait exceeds this share of its class's limit:
+# at the limit itself, half of those admitted would still time out in the queue (slowly).
+SHED_MARGIN = 0.6
+# Seconds of prefill a request below the interactive class may find queued on a backend it is bound to.
+LOW_PREFILL_AHEAD = 0.05
+# How long after the last interactive request lower classes keep leaving ``reserve`` free.
+RESERVE_FOR = 30.0
+
+
+@dataclass(slots=True, eq=False)
+class Waiter:
+    req: RequestInfo
+    key: str  # the API key's name ("" without authentication)
+    priority: int
+    cost: float  # tokens, for the round robin
+    enqueued_at: float
+    deadline: float
+    backend: Backend | None = None  # set when bound
+    refusal: Refusal | None = None  # set when shed
+    future: asyncio.Future | None = field(default=None, repr=False)
+    timer: asyncio.TimerHandle | None = field(default=None, repr=False)
+
+    @property
+    def done(self) -> bool:
+        return self.backend is not None or self.refusal is not None
+
+
+class ClassQueue:
+    """One priority class: a FIFO per key, served by deficit round robin."""
+
+    __slots__ = ("quantum", "keys", "deficit", "size", "turn")
+
+    def __init__(self, quantum: float):
+        self.quantum = quantum
+        self.keys: OrderedDict[str, deque[Waiter]] = OrderedDict()  # active keys in turn order
+        self.deficit: dict[str, float] = {}
+        self.size = 0
+        self.turn: str | None = None  # the key whose turn it is (its quantum for this round is added)
+
+    def push(self, w: Waiter) -> None:
+        q = self.keys.get(w.key)
+        if q is None:
+            q = self.keys[w.key] = deque()
+            self.deficit[w.key] = 0.0
+        q.append(w)
+        self.size += 1
+
+    def pop(self) -> Waiter:
+        """The next request by deficit round robin (the class must not be empty)."""
+        # A key's turn adds one quantum; it sends while its deficit covers its next request, then
+        # the turn passes. Bounded: a head of cost c goes within ceil(c / quantum) rounds.
+        while True:
+            key, q = next(iter(self.keys.items()))
+            if self.turn != key:
+                self.turn = key
+                self.deficit[key] += self.quantum
+            head = q[0]
+            if self.deficit[key] >= head.cost:
+                self.deficit[key] -= head.cost
+                q.popleft()
+                self.size -= 1
+                if not q:  # an idle key keeps no credit
+                    del self.keys[key], self.deficit[key]
+                    self.turn = None
+                return head
+            self.turn = None
+            self.keys.move_to_end(key)
+
+    def unpop(self, w: Waiter) -> None:
+        """Undo ``pop``: w is first again, in its key's turn, its cost back in the deficit."""
+        q = self.keys.get(w.key)
+        if q is None:
+            q = self.keys[w.key] = deque()
+            self.deficit[w.key] = 0.0
+        q.appendleft(w)
+        self.keys.move_to_end(w.key, last=False)
+        self.deficit[w.key] += w.cost
+        self.turn = w.key
+        self.size += 1
+
+    def remove(self, w: Waiter) -> bool:
+        q = self.keys.get(w.key)
+        if q is None:
+            return False
+        try:
+            q.remove(w)
+        except ValueError:
+            return False
+        self.size -= 1
+        if not q:
+            del self.keys[w.key], self.deficit[w.key]
+            if self.turn == w.key:
+                self.turn = None
+        return True
+
+    def ahead_of(self, key: str) -> int:
+        """Requests served before a new one from ``key`` with equal costs: one turn per active key per request."""
+        mine = len(self.keys.get(key, ())) + 1
+        return sum(min(len(q), mine) for k, q in self.keys.items() if k != key) + mine - 1
+
+    def over_share(self, key: str) -> bool:
+        """The key holds more than an equal share of this class's queue."""
+        q = self.keys.get(key)
+        return q is not None and len(q) > 1 and len(q) * len(self.keys) > self.size
+
+    def newest(self) -> Waiter | None:
+        """The newest request of the key holding the most (who gives way when the queue is full)."""
+        if not self.keys:
+            return None
+        return max(self.keys.values(), key=len)[-1]
+
+
+class ModelQueue:
+    """The waiting requests of one model, by class (highest first)."""
+
+    def __init__(self, quantum: float):
+        self.quantum = quantum
+        self.classes: dict[int, ClassQueue] = {}
+        self.completions: deque[float] = deque(maxlen=256)  # when recent responses of this model finished
+
+    def __len__(self) -> int:
+        return sum(c.size for c in self.classes.values())
+
+    def by_priority(self) -> Iterator[tuple[int, ClassQueue]]:
+        return ((p, self.classes[p]) for p in sorted(self.classes, reverse=True) if self.classes[p].size)
+
+    def cls(self, priority: int) -> ClassQueue:
+        c = self.classes.get(priority)
+        if c is None:
+            c = self.classes[priority] = ClassQueue(self.quantum)
+        return c
+
+    def waiting_at_or_above(self, priority: int) -> int:
+        return sum(c.size for p, c in self.classes.items() if p >= priority)
+
+    def rate(self, now: float, window: float = 30.0) -> float:
+        """Responses finished per second lately; 0 while there are too few to tell."""
+        t = self.completions
+        while t and now - t[0] > window:
+            t.popleft()
+        if len(t) < 8 or now <= t[0]:
+            return 0.0
+        return len(t) / (now - t[0])
+
+
+class Admission:
+    """The queue's decisions, without I/O: bind now, wait, or refuse."""
+
+    def __init__(self, config: QueueConfig, balancer: Balancer, eligible: Callable[[str], list[Backend]], clock: Callable[[], float], room: Room | None = None):
+        self.config = config
+        self.balancer = balancer
+        self.eligible = eligible
+        self.clock = clock
+        self.room = room or self.predicted_room
+        self.models: dict[str, ModelQueue] = {}
+        self.displaced: list[Waiter] = []  # refused by ``admit`` to make room: their waiters must be told
+        self.top_seen: dict[str, float] = {}  # by model: when an interactive (or higher) request last arrived
+
+    # -- capacity --------------------------------------------------------------------------------
+    def predicted_room(self, candidates: Sequence[Backend], req: RequestInfo, priority: int) -> Sequence[Backend]:
+        """The backends that can start req within ``hold_wait``, by the policy's predictions. Below
+        the interactive class, while interactive requests come, a request must also leave
+        ``reserve`` of a backend's batch slots free and find no prefill queued: interactive requests
+        then find a slot, short steps and an empty prefill queue."""
+        if not candidates:
+            return ()
+        preds = self.balancer.predict(candidates, req)
+        hold = self.config.hold_wait
+        if priority < DEFAULT_PRIORITY and self.clock() - self.top_seen.get(req.model, -1e18) < RESERVE_FOR:
+            # While interactive requests come, it must not slow their steps nor queue its prefill
+            # in front of theirs.
+            reserve = self.config.reserve
+            fit = [b for b, p in zip(candidates, preds)
+                   if p.wait <= hold and p.prefill_ahead <= LOW_PREFILL_AHEAD and (p.slots is None or p.free >= 1 + int(reserve * p.slots))]
+            return fit
+        if any(p.wait <= hold for p in preds) or any(b.in_flight == 0 for b in candidates):
+            # The policy chooses among all of them (it weighs the wait against speed and cache). An
+            # idle backend always takes work: the queue never waits on a prediction alone.
+            return candidates
+        return ()
+
+    def _bind(self, candidates: Sequence[Backend], req: RequestInfo) -> Backend:
+        b = self.balancer.pick(candidates, req)
+        self.balancer.dispatched(b, req)
+        return b
+
+    def _queue(self, model: str) -> ModelQueue:
+        q = self.models.get(model)
+        if q is None:
+            q = self.models[model] = ModelQueue(self.config.quantum)
+        return q
+
+    # -- arrivals --------------------------------------------------------------------------------
+    def admit(self, req: RequestInfo, key: str, priority: int) -> Backend | Waiter | Refusal:
+        """Bind req to a backend now, or queue it (a ``Waiter``), or refuse it."""
+        now = self.clock()
+        q = self._queue(req.model)
+        if priority >= DEFAULT_PRIORITY:
+            self.top_seen[req.model] = now
+        candidates = self.eligible(req.model)
+        if not q.waiting_at_or_above(priority):
+            fit = self.room(candidates, req, priority)
+            if fit:
+                return self._bind(fit, req)
+        limit = self.config.wait_limit(priority)
+        cls = q.cls(priority)
+        rate = q.rate(now)
+        if rate > 0:
+            ahead = sum(c.size for p, c in q.classes.items() if p > priority) + cls.ahead_of(key)
+            expected = (ahead + 1) / rate
+            if expected > SHED_MARGIN * limit:
+                return self._shed_refusal(q, cls, key, priority, expected, "predicted")
+        if len(q) >= self.config.max_queued:
+            victim = self._lowest_below(q, priority)
+            if victim is None:
+                return self._shed_refusal(q, cls, key, priority, limit, "queue_full")
+            vcls = q.classes[victim.priority]
+            victim.refusal = self._shed_refusal(q, vcls, victim.key, victim.priority, limit, "displaced")
+            vcls.remove(victim)
+            self.displaced.append(victim)
+        w = Waiter(req, key, priority, cost=self._cost(req), enqueued_at=now, deadline=now + limit)
+        cls.push(w)
+        return w
+
+    def _cost(self, req: RequestInfo) -> float:
+        return max(1.0, req.prompt_tokens + (req.max_tokens or 0))
+
+    @staticmethod
+    def _lowest_below(q: ModelQueue, priority: int) -> Waiter | None:
+        for p in sorted(q.classes):
+            if p >= priority:
+                return None
+            w = q.classes[p].newest()
+            if w is not None:
+                return w
+        return None
+
+    def _shed_refusal(self, q: ModelQueue, cls: ClassQueue, key: str, priority: int, wait: float, why: str) -> Refusal:
+        rate = q.rate(self.clock())
+        retry = max(1, min(60, math.ceil(len(q) / rate if rate > 0 else wait)))
+        metrics.QUEUE_SHED.labels(priority=priority_name(priority), reason=why).inc()
+        headers = ((b"retry-after", str(retry).encode()),)
+        if cls.over_share(key):
+            return Refusal(
+                429,
+                f"This API key has more than its share of requests waiting for this model; retry in {retry} s.",
+                "queue_over_share",
+                code="rate_limit_exceeded",
+                headers=headers,
+            )
+        return Refusal(
+            503,
+            f"Every backend for this model is busy and the request could not start in time; retry in {retry} s.",
+            "queue_shed",
+            code="service_unavailable",
+            headers=headers,
+        )
+
+    # -- capacity freed ------------------------------------------------------------------------------
+    def completed(self, model: str) -> None:
+        self._queue(model).completions.append(self.clock())
+
+    def drain(self, model: str) -> list[Waiter]:
+        """Bind waiting requests, best class first, while some backend has room; returns those bound."""
+        q = self.models.get(model)
+        bound: list[Waiter] = []
+        if q is None or not len(q):
+            return bound
+        candidates = self.eligible(model)
+        for _ in range(len(q)):
+            cls = next(c for _, c in q.by_priority())
+            w = cls.pop()
+            fit = self.room(candidates, w.req, w.priority)
+            if not fit:
+                cls.unpop(w)
+                break
+            w.backend = self._bind(fit, w.req)
+            metrics.QUEUE_WAIT.labels(priority=priority_name(w.priority)).observe(self.clock() - w.enqueued_at)
+            bound.append(w)
+        return bound
+
+    def expire(self, w: Waiter) -> bool:
+        """w reached its deadline still waiting: refuse it. False when it was bound or gone already."""
+        if w.done:
+            return False
+        q = self.models.get(w.req.model)
+        if q is None:
+            return False
+        cls = q.classes.get(w.priority)
+        if cls is None or w not in cls.keys.get(w.key, ()):
+            return False
+        w.refusal = self._shed_refusal(q, cls, w.key, w.priority, self.config.wait_limit(w.priority), "deadline")
+        cls.remove(w)
+        return True
+
+    def cancel(self, w: Waiter) -> None:
+        """The client went away while waiting."""
+        q = self.models.get(w.req.model)
+        if q is not None and w.priority in q.classes:
+            q.classes[w.priority].remove(w)
+
+    def waiting(self) -> int:
+        return sum(len(q) for q in self.models.values())
+
+
+class GatewayQueue:
+    """``Admission`` for the router: an awaitable admission with a deadline timer per waiter."""
+
+    def __init__(self, admission: Admission):
+        self.admission = admission
+
+    async def acquire(self, req: RequestInfo, key: str, priority: int) -> Backend | Refusal:
+        """A backend already bound to req (``dispatched`` was called), or the refusal to send."""
+        adm = self.admission
+        got = adm.admit(req, key, priority)
+        while adm.displaced:
+            self._settle(adm.displaced.pop())
+        if not isinstance(got, Waiter):
+            return got
+        w = got
+        loop = asyncio.get_running_loop()
+        w.future = loop.create_future()
+        w.timer = loop.call_at(loop.time() + (w.deadline - adm.clock()), self._expire, w)
+        metrics.QUEUE_WAITING.inc()
+        try:
+            return await w.future
+        except asyncio.CancelledError:
+            if w.backend is not None:  # bound just before the client left: give the reservation back
+                adm.balancer.completed(w.backend, req, Outcome(status=0, ok=False))
+                self.wake(req.model)
+            else:
+                adm.cancel(w)
+            raise
+        finally:
+            metrics.QUEUE_WAITING.dec()
+            w.timer.cancel()
+
+    def _expire(self, w: Waiter) -> None:
+        if self.admission.expire(w):
+            self._settle(w)
+
+    def _settle(self, w: Waiter) -> None:
+        fut = w.future
+        if fut is not None and not fut.done():
+            fut.set_result(w.backend if w.backend is not None else w.refusal)
+
+    def completed(self, model: str) -> None:
+        """A response of this model finished: its backend has room for one more."""
+        self.admission.completed(model)
+        self.wake(model)
+
+    def wake(self, model: str | None = None) -> None:
+        """Capacity may have freed (a response finished, a /metrics poll, a backend back): bind who can start."""
+        models = [model] if model is not None else list(self.admission.models)
+        for m in models:
+            for w in self.admission.drain(m):
+                self._settle(w)

@@ -1,0 +1,366 @@
+"""The gateway queue's decisions (late binding, priority order, DRR fairness, shedding) and the
+TTFT/e2e predictor: in-process, deterministic (fake clock, seeded rng)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from gateway.config import ConfigError, parse_config
+from gateway.config.balancer import PRIORITY_NAMES, BalancerConfig, QueueConfig
+from gateway.routing.policies import ExpectedLatencyBalancer, Outcome, RequestInfo, make_balancer
+from gateway.routing.pool import Backend
+from gateway.routing.queue import Admission, ClassQueue, GatewayQueue, Waiter
+
+INTERACTIVE = PRIORITY_NAMES["interactive"]
+BATCH = PRIORITY_NAMES["batch"]
+
+
+class Clock:
+    def __init__(self, t: float = 1000.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def backends(*ids: str) -> list[Backend]:
+    return [Backend(id=i, url=f"http://{i}.invalid", models=frozenset({"m"}), healthy=True) for i in ids]
+
+
+def req(prompt: int = 10, out: int = 10) -> RequestInfo:
+    return RequestInfo(model="m", stream=True, prompt_tokens=prompt, max_tokens=out)
+
+
+def waiter(key: str, cost: float = 1.0, priority: int = INTERACTIVE) -> Waiter:
+    return Waiter(req(), key, priority, cost=cost, enqueued_at=0.0, deadline=10.0)
+
+
+class Gate:
+    """A ``room`` callable the test opens and closes."""
+
+    def __init__(self, open_: bool = False):
+        self.open = open_
+
+    def __call__(self, candidates, r, priority):
+        return list(candidates) if self.open else []
+
+
+def admission(clock: Clock, gate: Gate, members: list[Backend] | None = None, **queue) -> Admission:
+    members = backends("a") if members is None else members
+    bal = make_balancer("min_expected_latency", BalancerConfig(slow_start=0.0), clock=clock, rng=random.Random(0))
+    return Admission(QueueConfig(**queue), bal, lambda model: members, clock, room=gate)
+
+
+# -- deficit round robin within a class ------------------------------------------------------------
+
+def test_drr_takes_keys_in_turn_so_a_burst_does_not_starve_the_others():
+    cq = ClassQueue(quantum=1)
+    for i in range(6):
+        cq.push(waiter("burst"))
+    cq.push(waiter("quiet"))
+    cq.push(waiter("quiet"))
+    order = [cq.pop().key for _ in range(8)]
+    assert order[:4] == ["burst", "quiet", "burst", "quiet"]
+    assert order[4:] == ["burst"] * 4
+    assert cq.size == 0 and not cq.keys
+
+
+def test_drr_shares_tokens_not_requests():
+    cq = ClassQueue(quantum=1000)
+    for _ in range(3):
+        cq.push(waiter("big", cost=2000))
+    for _ in range(8):
+        cq.push(waiter("small", cost=250))
+    first = [cq.pop().key for _ in range(5)]
+    # "big" needs two rounds of quantum for one request; "small" sends four per round meanwhile.
+    assert first.count("small") == 4 and first.count("big") == 1
+
+
+def test_unpop_puts_the_request_back_first_with_its_deficit():
+    cq = ClassQueue(quantum=1)
+    a1, a2, b1 = waiter("a"), waiter("a"), waiter("b")
+    for w in (a1, a2, b1):
+        cq.push(w)
+    w = cq.pop()
+    assert w is a1
+    cq.unpop(w)
+    assert [cq.pop() for _ in range(3)] == [a1, b1, a2]
+
+
+def test_over_share_means_more_than_an_equal_part_of_the_class():
+    cq = ClassQueue(quantum=1)
+    for _ in range(5):
+        cq.push(waiter("hog"))
+    cq.push(waiter("fair"))
+    assert cq.over_share("hog") and not cq.over_share("fair")
+    assert cq.ahead_of("fair") == 3  # hog, fair, hog, then a new one of fair
+
+
+# -- admission: bind now, wait, priority order -----------------------------------------------------
+
+def test_a_request_binds_at_once_while_a_backend_has_room_and_waits_when_none_has():
+    clock, gate = Clock(), Gate(open_=True)
+    adm = admission(clock, gate)
+    got = adm.admit(req(), "k", INTERACTIVE)
+    assert isinstance(got, Backend) and got.in_flight == 1  # picked and dispatched
+    gate.open = False
+    w = adm.admit(req(), "k", INTERACTIVE)
+    assert isinstance(w, Waiter) and adm.waiting() == 1 and adm.drain("m") == []
+    gate.open = True
+    assert adm.drain("m") == [w] and w.backend is not None and adm.waiting() == 0
+
+
+def test_higher_classes_are_served_first_and_a_newcomer_does_not_jump_its_own_class():
+    clock, gate = Clock(), Gate()
+    adm = admission(clock, gate)
+    batch = [adm.admit(req(), "bulk", BATCH) for _ in range(3)]
+    ui = adm.admit(req(), "ui", INTERACTIVE)
+    gate.open = True
+    assert adm.drain("m") == [ui, *batch]
+    # With a request of its class waiting, a newcomer queues behind it even when there is room.
+    gate.open = False
+    first = adm.admit(req(), "ui", INTERACTIVE)
+    gate.open = True
+    second = adm.admit(req(), "ui2", INTERACTIVE)
+    assert isinstance(first, Waiter) and isinstance(second, Waiter)
+    assert adm.drain("m") == [first, second]
+
+
+def test_no_eligible_backend_means_waiting_not_binding():
+    clock = Clock()
+    adm = admission(clock, Gate(open_=True), members=[])
+    assert isinstance(adm.admit(req(), "k", INTERACTIVE), Waiter)
+
+
+# -- shedding ----------------------------------------------------------------------------------------
+
+def test_a_request_still_waiting_at_its_deadline_is_refused_with_503_and_retry_after():
+    clock, gate = Clock(), Gate()
+    adm = admission(clock, gate, max_wait=((INTERACTIVE, 2.0),))
+    w = adm.admit(req(), "k", INTERACTIVE)
+    assert w.deadline == clock.t + 2.0
+    clock.t += 2.0
+    assert adm.expire(w) is True
+    r = w.refusal
+    assert r.status == 503 and r.reason == "queue_shed"
+    assert dict(r.headers)[b"retry-after"].isdigit()
+    assert b'"type":"server_error"' in r.body() and b'"code":"service_unavailable"' in r.body()
+    assert adm.waiting() == 0
+    assert adm.expire(w) is False  # once only
+
+
+def test_a_bound_request_does_not_expire():
+    clock, gate = Clock(), Gate()
+    adm = admission(clock, gate)
+    w = adm.admit(req(), "k", INTERACTIVE)
+    gate.open = True
+    adm.drain("m")
+    assert adm.expire(w) is False and w.refusal is None
+
+
+def test_a_key_over_its_share_is_refused_with_429():
+    clock, gate = Clock(), Gate()
+    adm = admission(clock, gate)
+    hog = [adm.admit(req(), "hog", BATCH) for _ in range(4)]
+    adm.admit(req(), "other", BATCH)
+    clock.t += 60.0
+    assert adm.expire(hog[0]) and hog[0].refusal.status == 429 and hog[0].refusal.reason == "queue_over_share"
+    assert b"rate_limit_error" in hog[0].refusal.body()
+
+
+def test_a_request_predicted_to_miss_its_deadline_is_refused_on_arrival():
+    clock, gate = Clock(), Gate()
+    adm = admission(clock, gate, max_wait=((INTERACTIVE, 1.0),))
+    for _ in range(20):  # 20 responses over 10 s: 2 per second
+        clock.t += 0.5
+        adm.completed("m")
+    first = adm.admit(req(), "k1", INTERACTIVE)
+    assert isinstance(first, Waiter)  # expected to start in 1 / 2.1 s: within the margin of its 1 s limit
+    late = adm.admit(req(), "k2", INTERACTIVE)  # one ahead of it: about 0.95 s, past the margin
+    assert not isinstance(late, Waiter)
+    assert late.status == 503 and late.reason == "queue_shed" and dict(late.headers)[b"retry-after"] == b"1"
+    assert adm.waiting() == 1
+
+
+def test_a_full_queue_makes_room_by_shedding_the_lowest_class():
+    clock, gate = Clock(), Gate()
+    adm = admission(clock, gate, max_queued=2)
+    b1 = adm.admit(req(), "bulk", BATCH)
+    b2 = adm.admit(req(), "bulk", BATCH)
+    ui = adm.admit(req(), "ui", INTERACTIVE)
+    assert isinstance(ui, Waiter)
+    assert adm.displaced == [b2] and b2.refusal.status in (503, 429) and b1.refusal is None
+    adm.displaced.clear()
+    refused = adm.admit(req(), "bulk", BATCH)  # full of equal or higher classes: the newcomer is refused
+    assert not isinstance(refused, (Waiter, Backend)) and refused.status in (503, 429)
+
+
+def test_priority_classes_and_waits_are_configured_by_name_or_number():
+    cfg = parse_config({
+        "auth": {"keys": [{"name": "a", "hash": "sha256:" + "a" * 64, "priority": "batch"}, {"name": "b", "hash": "sha256:" + "b" * 64, "priority": 42}]},
+        "backends": [{"url": "http://127.0.0.1:1"}],
+        "balancer": {"queue": {"max_wait": {"batch": 100, 42: 7}, "hold_wait": 0.25}, "objective": "e2e_within_ttft", "ttft_slack": 1.5},
+    })
+    assert [k.priority for k in cfg.auth.keys] == [BATCH, 42]
+    q = cfg.balancer.queue
+    assert q.wait_limit(BATCH) == 100 and q.wait_limit(42) == 7 and q.wait_limit(INTERACTIVE) == 10 and q.wait_limit(5) == q.default_max_wait
+    assert q.hold_wait == 0.25 and cfg.balancer.objective == "e2e_within_ttft" and cfg.balancer.ttft_slack == 1.5
+
+
+@pytest.mark.parametrize(
+    "section, message",
+    [
+        ({"auth": {"keys": [{"name": "a", "hash": "sha256:" + "a" * 64, "priority": "urgent"}]}}, "auth.keys[0].priority: 'urgent' is not a priority class; use batch or interactive"),
+        ({"balancer": {"queue": {"max_wait": {"batch": 0}}}}, "balancer.queue.max_wait.batch: 0 is not a wait"),
+        ({"balancer": {"queue": {"max_wait": {"vip": 3}}}}, "balancer.queue.max_wait.vip: 'vip' is not a priority class"),
+        ({"balancer": {"objective": "fastest"}}, "balancer.objective: 'fastest' is not a valid choice; choose one of: e2e_plus_ttft, e2e_within_ttft, e2e, ttft"),
+        ({"balancer": {"policy": "round_robin", "queue": {"enabled": True}}}, "balancer.queue.enabled: the gateway queue needs a policy that predicts waits"),
+        ({"balancer": {"queue": {"holdwait": 1}}}, "balancer.queue.holdwait: unknown field (did you mean 'hold_wait'?)"),
+    ],
+)
+def test_bad_queue_config_is_refused_with_a_clear_message(section, message):
+    cfg = {"auth": {"disabled": True}, "backends": [{"url": "http://127.0.0.1:1"}], **section}
+    with pytest.raises(ConfigError) as exc:
+        parse_config(cfg)
+    assert any(p.startswith(message) for p in exc.value.problems), exc.value.problems
+
+
+# -- the async wrapper ---------------------------------------------------------------------------------
+
+async def test_acquire_waits_until_capacity_frees_and_a_cancelled_waiter_leaves_the_queue():
+    clock, gate = Clock(), Gate()
+    adm = admission(clock, gate)
+    q = GatewayQueue(adm)
+    first = asyncio.create_task(q.acquire(req(), "k", INTERACTIVE))
+    gone = asyncio.create_task(q.acquire(req(), "k", INTERACTIVE))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert adm.waiting() == 2 and not first.done()
+    gone.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+    assert adm.waiting() == 1
+    gate.open = True
+    q.completed("m")
+    b = await asyncio.wait_for(first, 5)
+    assert isinstance(b, Backend) and b.in_flight == 1
+
+
+async def test_acquire_answers_a_refusal_at_the_deadline():
+    adm = Admission(
+        QueueConfig(max_wait=((INTERACTIVE, 0.05),)),
+        make_balancer("min_expected_latency"),
+        lambda model: backends("a"),
+        __import__("time").monotonic,
+        room=Gate(),
+    )
+    got = await asyncio.wait_for(GatewayQueue(adm).acquire(req(), "k", INTERACTIVE), 5)
+    assert got.status == 503 and adm.waiting() == 0
+
+
+# -- the predictor -------------------------------------------------------------------------------------
+
+def mel(clock: Clock, **cfg) -> ExpectedLatencyBalancer:
+    cfg.setdefault("slow_start", 0.0)
+    cfg.setdefault("others_weight", 0.0)
+    cfg.setdefault("kv_penalty", 0.0)
+    b = make_balancer("min_expected_latency", BalancerConfig(**cfg), clock=clock, rng=random.Random(0))
+    assert isinstance(b, ExpectedLatencyBalancer)
+    return b
+
+
+def set_sigma(bal: ExpectedLatencyBalancer, b: Backend, sigma: float) -> None:
+    m = bal._model(b)
+    m.w, m.sn, m.sy = 1e6, 0.0, sigma * 1e6
+
+
+def test_ttft_of_an_idle_backend_is_prefill_plus_one_step():
+    clock = Clock()
+    bal = mel(clock)
+    (a,) = backends("a")
+    set_sigma(bal, a, 0.02)
+    (p,) = bal.predict([a], req(prompt=400, out=50))
+    rho, g = bal.rho, bal.gamma
+    assert p.wait == 0.0
+    assert p.ttft == pytest.approx(rho * 0.02 * 400 + 0.02 * (1 + g * 0))
+    assert p.e2e == pytest.approx(rho * 0.02 * 400 + 0.02 * (1 + g) * 50)
+
+
+def test_a_full_batch_shows_as_wait_in_the_ttft():
+    clock = Clock()
+    bal = mel(clock, slots=2)
+    (a,) = backends("a")
+    set_sigma(bal, a, 0.02)
+    for _ in range(2):
+        bal.dispatched(a, req(prompt=1, out=300))
+    (p,) = bal.predict([a], req(prompt=1, out=10))
+    step = 0.02 * (1 + bal.gamma * 2)
+    assert p.wait == pytest.approx(300 * step, rel=0.05)  # the first of the two must finish
+    assert p.ttft >= p.wait and p.e2e > p.ttft
+
+
+def test_slots_from_config_seed_the_model_and_others_sequences_take_slots_too():
+    clock = Clock()
+    bal = mel(clock, slots=4)
+    (a,) = backends("a")
+    assert bal._model(a).slots == 4
+    bal._model(a).ext = 4.0  # four sequences from another replica fill the batch
+    (p,) = bal.predict([a], req())
+    assert p.wait > 0
+
+
+def _fast_but_busy_vs_slow_but_free(bal: ExpectedLatencyBalancer) -> tuple[Backend, Backend]:
+    fast, slow = backends("fast", "slow")
+    set_sigma(bal, fast, 0.01)
+    set_sigma(bal, slow, 0.03)
+    bal._model(fast).slots = 1
+    bal.dispatched(fast, req(prompt=1, out=40))  # the fast one's only slot is busy for 40 steps (~0.4 s)
+    return fast, slow
+
+
+@pytest.mark.parametrize(
+    "objective, knobs, expected",
+    [
+        ("e2e", {}, "fast"),  # waiting 0.4 s for the fast backend still finishes 100 tokens first
+        ("ttft", {}, "slow"),
+        ("e2e_within_ttft", {"ttft_slack": 0.1}, "slow"),  # the fast one starts 0.4 s later: outside the slack
+        ("e2e_within_ttft", {"ttft_slack": 5.0}, "fast"),
+        ("e2e_plus_ttft", {"ttft_weight": 0.0}, "fast"),
+        ("e2e_plus_ttft", {"ttft_weight": 8.0}, "slow"),
+    ],
+)
+def test_the_objective_decides_between_starting_sooner_and_finishing_sooner(objective, knobs, expected):
+    bal = mel(Clock(), objective=objective, **knobs)
+    fast, slow = _fast_but_busy_vs_slow_but_free(bal)
+    r = req(prompt=1, out=100)
+    pf, ps = bal.predict([fast, slow], r)
+    assert pf.ttft > ps.ttft and pf.e2e < ps.e2e  # the case is what it says
+    assert bal.pick([fast, slow], r).id == expected
+
+
+def test_completed_frees_the_slot_the_prediction_waited_for():
+    clock = Clock()
+    bal = mel(clock, slots=1)
+    (a,) = backends("a")
+    r1 = req(out=100)
+    bal.dispatched(a, r1)
+    assert bal.predict([a], req())[0].wait > 0
+    bal.completed(a, r1, Outcome(status=200, ok=True, completion_tokens=100))
+    assert bal.predict([a], req())[0].wait == 0
+
+
+def test_lower_classes_leave_reserved_slots_free_while_interactive_requests_come():
+    clock = Clock()
+    (a,) = backends("a")
+    bal = make_balancer("min_expected_latency", BalancerConfig(slow_start=0.0, slots=4), clock=clock, rng=random.Random(0))
+    adm = Admission(QueueConfig(reserve=0.5), bal, lambda model: [a], clock)
+    assert isinstance(adm.admit(req(), "bulk", BATCH), Backend)  # no interactive traffic yet: no reserve
+    assert isinstance(adm.admit(req(), "ui", INTERACTIVE), Backend)
+    held = adm.admit(req(), "bulk", BATCH)  # 2 of 4 slots free: taking one would leave fewer than 2
+    assert isinstance(held, Waiter)
+    assert isinstance(adm.admit(req(), "ui", INTERACTIVE), Backend)  # interactive may use the reserve
+    clock.t += 31.0  # no interactive request for longer than the reserve is kept
+    assert adm.drain("m") == [held]

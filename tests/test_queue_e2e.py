@@ -1,0 +1,141 @@
+"""The gateway queue end to end: client -> gateway (uvicorn) -> simulated api_servers with one batch
+slot each, so that a second request on a backend must wait (in the gateway, not the backend)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any, Iterator
+
+import httpx
+import pytest
+
+from gateway.filters.auth import hash_key, new_key
+from support import GatewayServer, Sim, wait_until
+
+MODEL = "test-model"
+SIM_ARGS = ("--max-batch-size", "1", "--tpot", "0.05", "--ttft", "0.005", "--metrics-interval", "1")
+
+
+class Keys:
+    def __init__(self) -> None:
+        self.ui = new_key()
+        self.bulk = new_key()
+        self.admin = new_key()
+        self.entries = [
+            {"name": "ui", "hash": hash_key(self.ui), "priority": "interactive"},
+            {"name": "bulk", "hash": hash_key(self.bulk), "priority": "batch"},
+            {"name": "ops", "hash": hash_key(self.admin), "admin": True},
+        ]
+
+
+@contextlib.contextmanager
+def fleet(n: int, queue: dict[str, Any]) -> Iterator[tuple[GatewayServer, list[Sim], Keys]]:
+    keys = Keys()
+    sims: list[Sim] = []
+    try:
+        for _ in range(n):
+            sims.append(Sim(MODEL, *SIM_ARGS, api_key="backend-secret"))
+        config = {
+            "auth": {"keys": keys.entries},
+            "backends": [{"url": s.url, "api_key": "backend-secret", "name": f"sim-{i}"} for i, s in enumerate(sims)],
+            "health": {"interval": 0.2, "timeout": 1.0},
+            # One slot per backend, as the sims are started; any wait for it holds a request back.
+            "balancer": {"policy": "min_expected_latency", "slots": 1, "queue": {"hold_wait": 0.0, **queue}},
+        }
+        with GatewayServer(config) as gw:
+            wait_until(lambda: all(b.healthy for b in gw.gateway.pool), 10, 0.02, "every backend healthy")
+            yield gw, sims, keys
+    finally:
+        for s in sims:
+            s.stop()
+
+
+def body(tag: str, tokens: int) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": tag}], "max_tokens": tokens, "stream": True}
+
+
+async def send(client: httpx.AsyncClient, key: str, payload: dict[str, Any]) -> tuple[int, float, dict[str, str], bytes]:
+    """(status, seconds, headers, body) of one streamed request, read to its end."""
+    t0 = time.monotonic()
+    async with client.stream("POST", "/v1/chat/completions", json=payload, headers={"authorization": f"Bearer {key}"}) as r:
+        data = b"".join([chunk async for chunk in r.aiter_bytes()])
+        return r.status_code, time.monotonic() - t0, dict(r.headers), data
+
+
+def shed_count(gw: GatewayServer, key: str, reason: str) -> float:
+    text = httpx.get(gw.url + "/metrics", headers={"authorization": f"Bearer {key}"}).text
+    for line in text.splitlines():
+        if line.startswith("gateway_queue_shed_total{") and f'reason="{reason}"' in line and 'priority="interactive"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def waiting(gw: GatewayServer) -> int:
+    return gw.gateway.queue.admission.waiting()
+
+
+async def test_requests_that_cannot_start_in_time_are_refused_with_503_and_retry_after():
+    with fleet(1, {"max_wait": {"interactive": 0.5}}) as (gw, (sim,), keys):
+        before = shed_count(gw, keys.admin, "deadline")
+        async with httpx.AsyncClient(base_url=gw.url, timeout=30) as client:
+            busy = asyncio.create_task(send(client, keys.ui, body("long", 60)))  # the only slot, for about 3 s
+            await asyncio.to_thread(wait_until, lambda: sim.stats()["in_flight"] == 1, 10, 0.02, "the slot taken")
+            results = await asyncio.wait_for(asyncio.gather(*(send(client, keys.ui, body(f"w{i}", 5)) for i in range(3))), 10)
+            assert not busy.done()  # every refusal came while the slot was still taken
+            status, _, _, _ = await asyncio.wait_for(busy, 20)
+        assert status == 200
+        for status, seconds, headers, data in results:
+            assert status == 503
+            assert headers["retry-after"].isdigit() and int(headers["retry-after"]) >= 1
+            err = httpx.Response(503, content=data).json()["error"]
+            assert err["type"] == "server_error" and err["code"] == "service_unavailable" and "busy" in err["message"]
+            assert seconds < 0.5 + 2.0  # at the deadline, not after the busy request
+        assert shed_count(gw, keys.admin, "deadline") - before == 3
+        assert len([r for r in sim.requests() if r["path"] == "/v1/chat/completions"]) == 1  # the refused never reached it
+        assert waiting(gw) == 0
+
+
+async def test_interactive_requests_go_before_a_waiting_batch_flood():
+    with fleet(1, {"max_wait": {"interactive": 30, "batch": 60}}) as (gw, (sim,), keys):
+        sim.clear()
+        async with httpx.AsyncClient(base_url=gw.url, timeout=60) as client:
+            flood = [asyncio.create_task(send(client, keys.bulk, body(f"bulk-{i}", 6))) for i in range(4)]
+            await asyncio.to_thread(wait_until, lambda: waiting(gw) == 3, 10, 0.02, "three batch requests waiting")
+            ui = await asyncio.wait_for(send(client, keys.ui, body("ui-0", 2)), 30)
+            done = await asyncio.wait_for(asyncio.gather(*flood), 30)
+        assert ui[0] == 200 and [d[0] for d in done] == [200] * 4
+        order = [r["body"]["messages"][0]["content"] for r in sim.requests() if r["path"] == "/v1/chat/completions"]
+        assert order[1] == "ui-0", order  # right after the batch request that held the slot
+        assert sorted(order) == sorted(["ui-0", *(f"bulk-{i}" for i in range(4))])
+
+
+async def test_a_backend_dying_while_requests_wait_leaves_none_hanging():
+    with fleet(2, {"max_wait": {"interactive": 30}}) as (gw, (doomed, survivor), keys):
+        async with httpx.AsyncClient(base_url=gw.url, timeout=60) as client:
+            tasks = [asyncio.create_task(send(client, keys.ui, body(f"r{i}", 20))) for i in range(5)]
+            await asyncio.to_thread(wait_until, lambda: waiting(gw) == 3, 10, 0.02, "two running, three waiting")
+            await asyncio.to_thread(doomed.kill)
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 45)
+        statuses = [r[0] for r in results]
+        # The one running on the dead backend may end broken; every one that waited is served.
+        assert statuses.count(200) >= 4, statuses
+        assert all(s in (200, 502) for s in statuses)
+        assert waiting(gw) == 0
+        assert len([r for r in survivor.requests() if r["path"] == "/v1/chat/completions"]) >= 4
+
+
+@pytest.mark.parametrize("policy", ["round_robin"])
+async def test_policies_without_predictions_run_without_the_queue(policy):
+    keys = Keys()
+    with Sim(MODEL, *SIM_ARGS, api_key="backend-secret") as sim:
+        config = {
+            "auth": {"keys": keys.entries},
+            "backends": [{"url": sim.url, "api_key": "backend-secret"}],
+            "balancer": {"policy": policy},
+        }
+        with GatewayServer(config) as gw:
+            assert gw.gateway.queue is None and gw.gateway.scraper is None
+            async with httpx.AsyncClient(base_url=gw.url, timeout=30) as client:
+                assert (await send(client, keys.ui, body("x", 2)))[0] == 200
