@@ -49,12 +49,16 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.02, what: s
 class Sim(SimProcess):
     """A simulated api_server subprocess on a free loopback port (``gateway.sim.process.SimProcess``)."""
 
-    def __init__(self, model: str = "test-model", *args: str, api_key: str | None = None, port: int | None = None, ready: bool = True):
-        super().__init__(*args, model=model, api_key=api_key, port=port, ready=ready)
+    def __init__(self, model: str = "test-model", *args: str, api_key: str | None = None, host: str = "127.0.0.1", port: int | None = None, ready: bool = True):
+        super().__init__(*args, model=model, api_key=api_key, host=host, port=port, ready=ready)
 
     @property
     def client(self) -> httpx.Client:
         return self.http
+
+    @client.setter
+    def client(self, value: httpx.Client) -> None:
+        self.http = value
 
 
 def launched_pids(launcher: Any) -> set[int]:

@@ -133,13 +133,15 @@ class LoopbackProcess:
 
 
 class SimProcess(LoopbackProcess):
-    """``python -m gateway.sim`` on a free loopback port; ready (``/health`` 200) when the constructor returns."""
+    """``python -m gateway.sim`` on a free loopback port (``host`` may be another 127.x address); ready
+    (``/health`` 200) when the constructor returns."""
 
     def __init__(
         self,
         *args: str,
         model: str = "sim-model",
         api_key: str | None = None,
+        host: str = LOOPBACK,
         port: int | None = None,
         ready: bool = True,
         ready_timeout: float = 15.0,
@@ -148,9 +150,9 @@ class SimProcess(LoopbackProcess):
     ):
         self.model = model
         self.api_key = api_key
-        self.port = port or free_port()
-        self.url = f"http://{LOOPBACK}:{self.port}"
-        argv = [sys.executable, "-m", "gateway.sim", "--host", LOOPBACK, "--port", str(self.port), "--model", model, *args]
+        self.port = port or free_port(host)
+        self.url = f"http://{host}:{self.port}"
+        argv = [sys.executable, "-m", "gateway.sim", "--host", host, "--port", str(self.port), "--model", model, *args]
         if api_key:
             argv += ["--api-keys", api_key]
         super().__init__(argv, f"sim on port {self.port}", log=log, env=env)
