@@ -113,3 +113,24 @@ async def test_only_healthy_backends_are_scraped_and_one_failure_does_not_stop_t
     await scraper.scrape_all()
     assert good.call_count == 1 and broken.call_count == 1 and not resting.called
     assert [s[0] for s in samples.seen] == ["a"] and scraper.failures == 1
+
+
+@respx.mock
+async def test_an_endless_metrics_body_is_not_read_whole(client):
+    from gateway.routing.signals import MAX_METRICS_BODY
+
+    sent = 0
+
+    async def endless():
+        nonlocal sent
+        line = b'lmdeploy:num_requests_running{engine="0"} 3\n' * 1024
+        while sent < 64 * MAX_METRICS_BODY:  # bounded here too, should the reader never stop
+            sent += len(line)
+            yield line
+
+    respx.get(f"{URL}/metrics").mock(return_value=httpx.Response(200, content=endless()))
+    b = Backend(id="b", url=URL, healthy=True)
+    scraper, samples = scraper_for(client, b)
+    assert await scraper.scrape(b) is False
+    assert scraper.failures == 1 and samples.seen == []
+    assert sent <= MAX_METRICS_BODY + 64 * 1024, "stopped reading soon after the limit"
