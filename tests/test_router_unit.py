@@ -132,10 +132,20 @@ async def test_a_whole_response_that_breaks_while_being_read_is_answered_not_ret
     assert h.completed_once_per_dispatch() and h.all_closed()
 
 
-@pytest.mark.xfail(strict=True, reason="Router._relay_whole answers 502/504 but forward() returns the backend's 200 (access log, metrics)")
-async def test_forward_returns_the_status_the_client_got_when_a_whole_body_breaks():
-    h = Harness({A: [Reply(200, JSON, [b'{"id":', UpstreamFailure("reset")])]})
-    assert await h.forward() == 502
+@pytest.mark.parametrize(
+    "broken, status",
+    [(UpstreamFailure("reset"), 502), (UpstreamInvalid("malformed"), 502), (UpstreamInvalid("body_too_large"), 502), (Stall(), 504)],
+    ids=["reset", "invalid", "too_large", "idle"],
+)
+async def test_forward_returns_the_status_the_client_got_when_a_whole_body_breaks(broken, status):
+    # The access log and the metrics take this status: the client's, not the backend's 200.
+    h = Harness({A: [Reply(200, JSON, [b'{"id":', broken])]}, timeouts=FAST)
+    try:
+        assert await h.forward() == status
+    finally:
+        if isinstance(broken, Stall):
+            broken.release()
+    assert [r.status for r in h.refusals] == [status] and h.send.messages == []
 
 
 async def test_a_complete_stream_is_relayed_chunk_by_chunk_and_counts_as_ok():
