@@ -197,7 +197,7 @@ def test_rate_limit_admits_the_limit_in_any_minute():
 def test_the_app_scrapes_backend_metrics_for_the_balancer(keys):
     with gateway_with_sims(keys, 1, sim_args=("--metrics-interval", "0"), balancer={"scrape_interval": 0.2}) as (gw, _):
         b = next(iter(gw.gateway.pool))
-        wait_until(lambda: b.stats.get("signals") is not None, 10, what="scraped signals on the backend")
+        wait_until(lambda: gw.gateway.scraper is not None and b.id in gw.gateway.scraper.signals, 10, what="scraped signals of the backend")
         assert gw.gateway.balancer.name == "min_expected_latency"
 
 
