@@ -261,7 +261,10 @@ async def test_a_sleeping_instance_is_out_of_rotation_but_not_restarted(tmp_path
         headers = {"authorization": f"Bearer {lm.backend_key}"}
         assert (await client.post(f"{backend.url}/sleep", json={}, headers=headers)).status_code == 200
         await until(lambda: not backend.healthy, 1.0, "out of rotation")
-        await asyncio.sleep(0.8)
+        # Not a fixed sleep: the pool probes it again and again (each probe moves next_check), well
+        # past unhealthy_after, and the supervisor reads each verdict within its poll interval.
+        probes = {backend.next_check}
+        await until(lambda: probes.add(backend.next_check) or len(probes) > 4, 10, "four more probes of the sleeping instance")
         assert inst.restarts == 0 and backend.health_status == "sleeping"
         assert (await client.post(f"{backend.url}/wakeup", json={}, headers=headers)).status_code == 200
         await until(lambda: backend.healthy, 2.0, "back in rotation")
