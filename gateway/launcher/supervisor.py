@@ -203,12 +203,12 @@ class Launcher:
         if inst.task is not None:
             inst.task.cancel()
             await asyncio.gather(inst.task, return_exceptions=True)
-        self._leave(inst, "restarting")
+        self.pool.mark_down(inst.id, "restarting")
         if inst.proc is not None and inst.proc.returncode is None:
             await process.terminate(inst.proc, self.stop_grace)
         inst.failures, inst.error = 0, None
         inst.restarts += 1
-        _metrics()[1].labels(instance=inst.id).inc()
+        metrics.LAUNCHED_RESTARTS.labels(instance=inst.id).inc()
         self._set_state(inst, "restarting", "requested through the admin listener")
         inst.task = asyncio.get_running_loop().create_task(self._supervise(inst), name=f"launch {inst.id}")
         return True
