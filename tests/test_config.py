@@ -11,6 +11,8 @@ import pytest
 from gateway.config import ConfigError, parse_config
 from gateway.filters.auth import hash_key
 
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parent.parent
 HASH = hash_key("sk-test")
 GOOD = {"auth": {"keys": [{"name": "a", "hash": HASH}]}, "backends": [{"url": "http://127.0.0.1:23333"}]}

@@ -26,6 +26,8 @@ from gateway.launcher.spawn import SHIM, launch_argv, plan_group, python_of
 from gateway.routing.pool import BackendPool
 from support import ROOT, alive
 
+pytestmark = pytest.mark.e2e
+
 FAKE_LMDEPLOY = ROOT / "tests" / "fixtures" / "fake_lmdeploy"
 FAST = {"health_interval": 0.2, "restart_backoff": 0.05, "restart_backoff_max": 0.2}
 ASYNC = pytest.mark.asyncio(loop_scope="session")

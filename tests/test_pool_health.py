@@ -13,6 +13,8 @@ import respx
 from gateway.config import HealthConfig
 from gateway.routing.pool import MAX_HEALTH_BODY, Backend, BackendPool, parse_health
 
+pytestmark = pytest.mark.unit
+
 URL = "http://10.9.9.9:23333"
 
 

@@ -12,10 +12,13 @@ import sys
 import threading
 
 import httpx
+import pytest
 import yaml
 
 from support import ROOT, free_port, wait_until
 from gateway.filters.auth import hash_key
+
+pytestmark = pytest.mark.e2e
 
 LAUNCH = {"model": "sim-model", "model_name": "chat", "engine": "sim", "instances": 1, "health_interval": 0.2}
 

@@ -16,6 +16,8 @@ from gateway.config import ConfigError, parse_config
 from gateway.server.limits import connection_cap
 from support import ROOT, Sim, free_port, wait_until
 
+pytestmark = pytest.mark.e2e
+
 
 def _problems(server: dict) -> list[str]:
     with pytest.raises(ConfigError) as exc:
