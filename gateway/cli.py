@@ -75,7 +75,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         try:
             sockets = [server.bind(host, port)]
         except server.PortBusy as exc:
-            print(f"gateway serve: {exc}; is another gateway running? Stop it, or choose another port (--port, server.port)", file=sys.stderr)
+            print(f"gateway serve: {exc}", file=sys.stderr)
             return 1
     gateway = Gateway(cfg)
     gateway.follow_backends = bool(args.worker_index)  # workers > 0 learn launched backends from worker 0

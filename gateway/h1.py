@@ -23,17 +23,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import ssl
-import sys
 import logging
 import time
 from typing import AsyncIterator
 
 import httptools
 
-if sys.version_info >= (3, 11):
-    from asyncio import timeout as _timeout
-else:  # pragma: no cover - Python 3.10
-    from ._compat import timeout as _timeout
+from ._compat import timeout as _timeout
 
 IDLE_EXPIRY = 4.0  # below uvicorn's (and so lmdeploy's) 5 s keep-alive timeout
 HIGH_WATER = 1 << 20  # bytes buffered for a slow consumer before we stop reading from the backend

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-import sys
 from typing import AsyncIterator
 from urllib.parse import urlsplit
 
@@ -40,13 +39,9 @@ import httpx
 from httpx_aiohttp import AiohttpTransport
 from yarl import URL
 
+from ._compat import timeout as _timeout
 from .config import TimeoutsConfig, UpstreamConfig
 from .h1 import ConnectFailed, ConnectionLost, ConnectTimeout, H1Pool, InvalidResponse
-
-if sys.version_info >= (3, 11):
-    from asyncio import timeout as _timeout
-else:  # pragma: no cover - Python 3.10
-    from ._compat import timeout as _timeout
 
 # Request headers a client may pass through; everything else is dropped (allow-list).
 FORWARD_REQUEST_HEADERS = (b"accept", b"anthropic-version", b"anthropic-beta")

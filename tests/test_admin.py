@@ -13,6 +13,8 @@ from gateway.config import ConfigError, parse_config
 from gateway.filters.auth import hash_key, new_key
 from support import GatewayServer, Sim, free_port, gateway_config, wait_until
 
+pytestmark = pytest.mark.e2e
+
 MODEL = "test-model"
 ADMIN_PATHS = [
     ("GET", "/status"), ("GET", "/admin/status"), ("GET", "/admin/backends"), ("POST", "/admin/backends"),

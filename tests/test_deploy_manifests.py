@@ -21,6 +21,8 @@ from gateway.routes import ROUTES
 from gateway.sim.config import build_parser as sim_parser
 from support import ROOT
 
+pytestmark = pytest.mark.unit
+
 DEPLOY = ROOT / "deploy"
 ENV = {"ADMIN_KEY_HASH": hash_key("admin"), "BACKEND_KEY": "backend-key"}
 MANIFESTS = sorted(DEPLOY.rglob("*.yaml"))

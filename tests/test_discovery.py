@@ -13,6 +13,8 @@ from gateway.routing.discovery import DnsDiscovery, NameGone
 from gateway.routing.pool import BackendPool
 from support import GatewayServer, Sim, free_port, gateway_config, wait_until
 
+pytestmark = pytest.mark.e2e
+
 MODEL = "test-model"
 NAME = "api-server.ns.svc.cluster.local"
 

@@ -14,6 +14,8 @@ from gateway.config import TimeoutsConfig
 from gateway.upstream import NativeUpstream, UpstreamFailure
 from support import free_port, wait_until
 
+pytestmark = pytest.mark.e2e
+
 
 async def app(scope, receive, send):
     if scope["type"] != "http":
@@ -87,8 +89,11 @@ def test_a_large_stream_arrives_whole_with_a_slow_consumer(server):
         up._tls = ctx
         r = await up.open(base + "/big", b"{}", [])
         total = 0
-        await asyncio.sleep(0.3)  # the server runs ahead: past the high-water mark reading pauses
         conn = r._close.__self__._conn
+        # The server runs ahead: past the high-water mark reading pauses (a bounded wait for that).
+        deadline = asyncio.get_running_loop().time() + 10
+        while not conn._paused and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
         paused_at_peak = conn._paused and conn.buffered > (1 << 20)
         async for chunk in r.chunks():
             total += len(chunk)

@@ -25,6 +25,8 @@ import pytest
 
 from support import ROOT, Sim, free_port, wait_until
 
+pytestmark = pytest.mark.e2e
+
 NOFILE = 256
 CAP = (NOFILE - 64) // 2
 LINGER_BYTES = 48 << 20

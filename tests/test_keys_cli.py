@@ -16,6 +16,8 @@ from gateway.cli import main as cli_main
 from gateway.config import load_config
 from support import ROOT, GatewayServer, Sim, free_port, gateway_config, wait_until
 
+pytestmark = pytest.mark.e2e
+
 MODEL = "test-model"
 
 

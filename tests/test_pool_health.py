@@ -4,6 +4,7 @@ with respx) and the methods others use instead of writing fields."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import pytest
@@ -11,6 +12,8 @@ import respx
 
 from gateway.config import HealthConfig
 from gateway.routing.pool import MAX_HEALTH_BODY, Backend, BackendPool, parse_health
+
+pytestmark = pytest.mark.unit
 
 URL = "http://10.9.9.9:23333"
 
@@ -187,3 +190,21 @@ async def test_model_lists_are_bounded_in_bytes_count_and_id_length():
     models.respond(200, content=b'{"data": [' + b'{"id": "m"},' * 200_000 + b'{"id": "m"}]}')
     assert not await pool.check(b) and b.health_status == "models_unavailable"
     await client.aclose()
+
+
+async def test_ejections_are_told_to_listeners_and_can_be_applied_from_elsewhere():
+    a, b = backend(id="a", healthy=True), backend(id="b", healthy=True)
+    pool = BackendPool(HealthConfig(failures_to_eject=2, ejection_base=5.0))
+    pool.add(a)
+    pool.add(b)
+    told: list[tuple[str, int]] = []
+    pool.on_change(lambda changed: told.append((changed.id, changed.ejections)))
+    pool.report_failure(a)
+    assert told == [] and pool.eligible("m") == [a, b]
+    pool.report_failure(a)
+    assert told == [("a", 1)] and 4.5 <= a.ejected_until - time.monotonic() <= 5.5 and pool.eligible("m") == [b]
+    pool.eject("b", 3.0)  # another replica ejected it: a change, but not one of this pool's ejections
+    assert pool.eligible("m") == [] and told[-1] == ("b", 0)
+    pool.eject("b", 1e9)  # a replica's word is bounded by our own longest backoff
+    assert b.ejected_until - time.monotonic() <= 5.0 * 64 * 1.1
+    pool.eject("nobody", 3.0)

@@ -14,6 +14,8 @@ from gateway.routing.policies import ExpectedLatencyBalancer, Outcome, RequestIn
 from gateway.routing.pool import Backend
 from gateway.routing.queue import Admission, ClassQueue, GatewayQueue, Waiter
 
+pytestmark = pytest.mark.unit
+
 INTERACTIVE = PRIORITY_NAMES["interactive"]
 BATCH = PRIORITY_NAMES["batch"]
 

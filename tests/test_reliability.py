@@ -10,6 +10,8 @@ import pytest
 
 from support import GatewayServer, Sim, free_port, gateway_config, gateway_with_sims, wait_until
 
+pytestmark = pytest.mark.e2e
+
 MODEL = "test-model"
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -195,8 +197,14 @@ def test_rate_limit_admits_the_limit_in_any_minute():
 def test_the_app_scrapes_backend_metrics_for_the_balancer(keys):
     with gateway_with_sims(keys, 1, sim_args=("--metrics-interval", "0"), balancer={"scrape_interval": 0.2}) as (gw, _):
         b = next(iter(gw.gateway.pool))
-        wait_until(lambda: b.stats.get("signals") is not None, 10, what="scraped signals on the backend")
-        assert gw.gateway.balancer.name == "min_expected_latency"
+        policy = gw.gateway.balancer
+        assert policy.name == "min_expected_latency"
+
+        def scraped() -> bool:
+            state = policy.models.get(b)
+            return state is not None and state.signals is not None
+
+        wait_until(scraped, 10, what="scraped signals in the policy's state for the backend")
 
 
 def test_access_log_escapes_client_text(keys, caplog):

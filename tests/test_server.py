@@ -16,6 +16,8 @@ from gateway.config import ConfigError, parse_config
 from gateway.server.limits import connection_cap
 from support import ROOT, Sim, free_port, wait_until
 
+pytestmark = pytest.mark.e2e
+
 
 def _problems(server: dict) -> list[str]:
     with pytest.raises(ConfigError) as exc:
@@ -134,3 +136,37 @@ def test_a_failed_lifespan_start_up_ends_the_server_with_status_1():
         loop.close()
         sock.close()
     assert not srv.started
+
+
+def test_start_serves_a_second_app_in_a_running_loop_with_the_same_bounds():
+    import asyncio
+
+    from gateway import server as http_server
+    from gateway.config import ServerConfig
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async def main() -> tuple[bytes, bytes]:
+        sock = http_server.bind("127.0.0.1", 0)
+        serving = await http_server.start(app, ServerConfig(max_headers=8), drain=1.0, sockets=[sock])
+        try:
+            answers = []
+            for extra in (b"", b"X-A: 1\r\n" * 20):
+                reader, writer = await asyncio.open_connection("127.0.0.1", serving.port)
+                writer.write(b"GET / HTTP/1.1\r\nHost: a\r\nConnection: close\r\n" + extra + b"\r\n")
+                answers.append(await asyncio.wait_for(reader.read(), 5))
+                writer.close()
+            return answers[0], answers[1]
+        finally:
+            await serving.stop()
+            sock.close()
+
+    loop = http_server.new_loop()
+    try:
+        ok, too_many = loop.run_until_complete(main())
+    finally:
+        loop.close()
+    assert ok.startswith(b"HTTP/1.1 200 ") and ok.endswith(b"ok")
+    assert too_many.startswith(b"HTTP/1.1 431 ")

@@ -7,8 +7,11 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from support import GatewayServer, Sim, gateway_config, wait_until
+
+pytestmark = pytest.mark.e2e
 
 MODEL = "test-model"
 

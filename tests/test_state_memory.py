@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from gateway.config import ApiKeyConfig, parse_config
 from gateway.errors import Refusal
 from gateway.filters.limits import estimate_prompt_tokens, max_tokens_of
 from gateway.state.limits import Decision, LocalLimiter, rate_headers
 from gateway.state.memory import MemoryStore
+
+pytestmark = pytest.mark.unit
 
 KEY = "sha256:" + "1" * 64
 

@@ -20,6 +20,8 @@ from gateway.cli import main as cli_main
 from gateway.filters.auth import hash_key, new_key
 from support import GatewayServer, Sim, gateway_config, wait_until
 
+pytestmark = pytest.mark.e2e
+
 MODEL = "test-model"
 MSG = [{"role": "user", "content": "hello there, how are you today?"}]
 

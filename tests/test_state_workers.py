@@ -8,11 +8,14 @@ import subprocess
 import sys
 
 import httpx
+import pytest
 import yaml
 
 from gateway.filters.auth import hash_key, new_key
 from support import ROOT, alive, free_port, wait_until
 from test_launcher_gateway import descendants
+
+pytestmark = pytest.mark.e2e
 
 
 def _serve(cfg_path, *extra: str) -> subprocess.Popen[bytes]:

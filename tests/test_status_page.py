@@ -19,7 +19,7 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 DRIVER = shutil.which("chromedriver")
 ARTIFACTS = Path(os.environ.get("GATEWAY_TEST_ARTIFACTS", ROOT / "tests" / "artifacts"))
 
-pytestmark = pytest.mark.skipif(not (CHROMIUM and DRIVER), reason="needs Debian's chromium and chromium-driver (scripts/test installs them as root)")
+pytestmark = [pytest.mark.e2e, pytest.mark.skipif(not (CHROMIUM and DRIVER), reason="needs Debian's chromium and chromium-driver (scripts/test installs them as root)")]
 
 
 @pytest.fixture(scope="module")

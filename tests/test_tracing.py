@@ -13,6 +13,8 @@ from gateway.config import TracingConfig
 from gateway.tracing import Tracing
 from support import gateway_with_sims
 
+pytestmark = pytest.mark.e2e
+
 MODEL = "test-model"
 TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}$")
 CLIENT_TRACE = "0af7651916cd43dd8448eb211c80319c"

@@ -19,6 +19,8 @@ import pytest
 
 from support import GatewayServer, gateway_config, wait_until
 
+pytestmark = pytest.mark.e2e
+
 MODEL = "test-model"
 CAP = 1 << 20  # upstream.max_response_bytes in these tests
 LINE_CAP = 64 * 1024
@@ -54,6 +56,7 @@ class BrokenBackend:
         self.written = 0
         self.closed_by_peer = threading.Event()
         self.writer_done = threading.Event()
+        self.client_answered = threading.Event()  # set by a test once its client holds the answer
         self.loop = asyncio.new_event_loop()
         self._server: asyncio.base_events.Server | None = None
         started = threading.Event()
@@ -76,6 +79,7 @@ class BrokenBackend:
         self.written = 0
         self.closed_by_peer.clear()
         self.writer_done.clear()
+        self.client_answered.clear()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
@@ -165,7 +169,8 @@ async def late_extra(b, reader, writer, n) -> bool:
     writer.write(ok(n))
     if n == 1:
         await writer.drain()
-        await asyncio.sleep(0.3)  # the gateway has relayed answer 1 and pooled the connection by now
+        # Once the client holds answer 1, the gateway has pooled this connection: now it is idle.
+        await asyncio.to_thread(b.client_answered.wait, 10)
         writer.write(response(b'{"id": "EVIL-injected"}'))
     return True
 
@@ -330,6 +335,7 @@ def test_an_unsolicited_response_on_an_idle_connection_poisons_it(gw, backend):
     backend.reset(late_extra)
     r1 = post(gw)
     assert r1.status_code == 200 and r1.json()["id"] == "genuine-1"
+    backend.client_answered.set()
     assert backend.closed_by_peer.wait(10)  # closed the moment the bytes arrived
     r2 = post(gw)
     assert r2.status_code == 200 and r2.json()["id"] == "genuine-2"

@@ -5,8 +5,8 @@ its own GPU set. ``engine: auto`` picks lmdeploy when it is installed and GPUs a
 simulator otherwise; the choice is made at start (``gateway.launcher``), since it depends on the
 machine, but everything that can be refused is refused here, before anything starts.
 
-The rules mirror what ``lmdeploy serve api_server`` would refuse after minutes of loading (see
-the fact sheet, section 4), so a mistake costs a config check instead of a model load.
+The rules mirror what ``lmdeploy serve api_server`` would refuse after minutes of loading, so a
+mistake costs a config check instead of a model load.
 """
 
 from __future__ import annotations

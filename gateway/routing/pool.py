@@ -146,18 +146,15 @@ class BackendPool:
 
     def undrain(self, backend_id: str) -> None:
         b = self._backends.get(backend_id)
-        if b is not None and b.draining:
-            b.draining = False
-            self._changed(b)
+        if b is not None:
+            self.set_draining(b, False)
 
     async def drain(self, backend_id: str, timeout: float | None = None) -> bool:
         """No new requests; return True once its in-flight ones completed (False at timeout)."""
         b = self._backends.get(backend_id)
         if b is None:
             return True
-        if not b.draining:
-            b.draining = True
-            self._changed(b)
+        self.set_draining(b, True)
         deadline = None if timeout is None else time.monotonic() + timeout
         while b.in_flight > 0:
             if deadline is not None and time.monotonic() >= deadline:
@@ -234,15 +231,28 @@ class BackendPool:
         b.consecutive_failures += 1
         if b.consecutive_failures >= self.health.failures_to_eject and b.ejected_until <= time.monotonic():
             b.ejections += 1
-            backoff = self.health.ejection_base * (2 ** min(b.ejections - 1, 6))
-            b.ejected_until = time.monotonic() + backoff * random.uniform(0.9, 1.1)
-            b.returned_at = b.ejected_until  # the balancer ramps it up slowly from then on
-            b.consecutive_failures = 0
+            backoff = self.health.ejection_base * (2 ** min(b.ejections - 1, 6)) * random.uniform(0.9, 1.1)
+            self._eject(b, backoff)
             log.warning(
                 "backend %s ejected for %.1fs after repeated failures", b.id, backoff,
                 extra={"fields": {"event": "backend_ejected", "backend": b.id, "seconds": round(backoff, 3), "ejections": b.ejections}},
             )
-            self._changed(b)
+
+    def eject(self, backend_id: str, seconds: float) -> None:
+        """Apply an ejection decided elsewhere (another replica) instead of writing fields.
+
+        on_change listeners are told, as of any ejection: one that shares ejections must know this
+        one came from outside (``ejections`` is unchanged by it) and not send it back.
+        """
+        b = self._backends.get(backend_id)
+        if b is not None and seconds > 0 and time.monotonic() + seconds > b.ejected_until:
+            self._eject(b, min(seconds, self.health.ejection_base * 64 * 1.1))  # never longer than our own worst
+
+    def _eject(self, b: Backend, seconds: float) -> None:
+        b.ejected_until = time.monotonic() + seconds
+        b.returned_at = b.ejected_until  # the balancer ramps it up slowly from then on
+        b.consecutive_failures = 0
+        self._changed(b)
 
     def report_unreachable(self, b: Backend) -> None:
         """A connection refused: the process is gone; stop sending to it until a health check says otherwise."""

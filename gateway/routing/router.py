@@ -104,7 +104,8 @@ class Router:
                 return refusal.status
             if attempt == 0 and self.queue is not None:
                 # The queue binds the request to a backend (picked and dispatched) when one has room.
-                admitted = await self.queue.acquire(req, ctx.key.name if ctx.key else "", ctx.key.priority if ctx.key else DEFAULT_PRIORITY)
+                with tracing.child(ctx, "pick", candidates=len(candidates), queued=True):
+                    admitted = await self.queue.acquire(req, ctx.key.name if ctx.key else "", ctx.key.priority if ctx.key else DEFAULT_PRIORITY)
                 if isinstance(admitted, Refusal):
                     await reply(admitted)
                     return admitted.status
@@ -174,7 +175,7 @@ class Router:
                 elif response.status == 200 and response.is_event_stream:
                     await self._relay_stream(b, req, ctx, response, send, start, outcome)
                 else:
-                    await self._relay_whole(b, req, ctx.route.kind, response, send, start, outcome, reply)
+                    return await self._relay_whole(b, req, ctx.route.kind, response, send, start, outcome, reply)
                 return response.status
             finally:
                 await response.aclose()
@@ -194,20 +195,20 @@ class Router:
         start: float,
         outcome: Outcome,
         reply: Callable[[Refusal], Awaitable[None]],
-    ) -> None:
+    ) -> int:
+        """Read the whole body and send it; returns the status the client got (ours if reading failed)."""
         try:
             body = await self.upstream.read_all(response)
         except UpstreamTimeout as exc:
             self.pool.report_failure(b)
             await reply(TIMEOUTS[exc.phase])
-            return
+            return TIMEOUTS[exc.phase].status
         except UpstreamInvalid as exc:
-            await self._refuse_invalid(b, exc, reply)
-            return
+            return await self._refuse_invalid(b, exc, reply)
         except UpstreamFailure:
             self.pool.report_failure(b)
             await reply(UPSTREAM_FAILED)
-            return
+            return UPSTREAM_FAILED.status
         outcome.ttft = time.monotonic() - start
         self.balancer.first_byte(b, req, outcome.ttft)
         self._observe_ttfb(kind, outcome.ttft)
@@ -218,6 +219,7 @@ class Router:
         hdrs.append((b"content-length", str(len(body)).encode()))
         await send({"type": "http.response.start", "status": response.status, "headers": hdrs})
         await send({"type": "http.response.body", "body": body, "more_body": False})
+        return response.status
 
     async def _refuse_invalid(self, b: Backend, exc: UpstreamInvalid, reply: Callable[[Refusal], Awaitable[None]]) -> int:
         self.pool.report_failure(b)

@@ -3,9 +3,10 @@
 protocol.py     one connection: head limits, timeouts, no upgrades, lingering close, ASGI cycle
 connections.py  the connection cap (idle ones make room, else 503), drain on shutdown
 limits.py       the bounds, from ``server:`` and the open-files limit
-serve.py        bind or take pre-bound sockets, lifespan, signals, ``run()``
+serve.py        bind or take pre-bound sockets, lifespan, signals, ``run()``; ``start()`` serves a
+                second app (an admin port) in a running loop with the same bounds
 """
 
-from .serve import PortBusy, Server, bind, new_loop, run
+from .serve import PortBusy, Server, Serving, bind, new_loop, run, start
 
-__all__ = ["PortBusy", "Server", "bind", "new_loop", "run"]
+__all__ = ["PortBusy", "Server", "Serving", "bind", "new_loop", "run", "start"]

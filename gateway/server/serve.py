@@ -30,12 +30,18 @@ class PortBusy(Exception):
     pass
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket, or PortBusy with a message that says what to do."""
+def bind(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
+    """A listening TCP socket, or PortBusy with a message that says what to do.
+
+    ``reuse_port``: several worker processes each bind their own socket to the same port
+    (SO_REUSEPORT) and the kernel spreads new connections over them.
+    """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
         sock.listen(BACKLOG)
     except OSError as exc:
@@ -112,7 +118,18 @@ class Server:
         self.started = False
         self.connections: Connections | None = None
         self._stop: asyncio.Event | None = None
+        self._force: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.stop_signal: int | None = None  # the first signal that stopped it (SIGINT: exit 130)
+
+    def _on_signal(self, signum: int) -> None:
+        assert self._stop is not None and self._force is not None
+        if self._stop.is_set():  # an impatient second signal: stop draining, shut down now
+            log.warning("second signal: in-flight requests are cut off; stopping backends")
+            self._force.set()
+            return
+        self.stop_signal = signum
+        self._stop.set()
 
     def request_stop(self) -> None:
         """Begin the graceful shutdown; safe from any thread."""
@@ -122,6 +139,7 @@ class Server:
     async def run(self, install_signals: bool = True) -> int:
         loop = self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
+        self._force = asyncio.Event()
         lifespan = _Lifespan(self.app)
         failure = await lifespan.startup()
         if failure is not None:
@@ -131,7 +149,7 @@ class Server:
         servers = [await loop.create_server(lambda: HttpConnection(conns), sock=s, backlog=BACKLOG) for s in self.sockets]
         if install_signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, self._stop.set)
+                loop.add_signal_handler(sig, self._on_signal, sig)
         for s in self.sockets:
             host, port = s.getsockname()[:2]
             log.info("listening on http://%s:%d (at most %d connections)", host, port, self.limits.max_connections)
@@ -143,10 +161,15 @@ class Server:
             for srv in servers:
                 srv.close()
             conns.shutdown()
+            drained = loop.create_task(conns.empty.wait())
+            forced = loop.create_task(self._force.wait())
             try:
-                await asyncio.wait_for(conns.empty.wait(), self.limits.drain_timeout)
-            except asyncio.TimeoutError:
-                log.warning("%d connection(s) still open after the drain timeout: aborted", len(conns.open))
+                await asyncio.wait({drained, forced}, timeout=self.limits.drain_timeout, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                forced.cancel()
+                drained.cancel()
+            if conns.open:
+                log.warning("%d connection(s) still open after the drain: aborted", len(conns.open))
                 conns.abort_all()
             for srv in servers:
                 await srv.wait_closed()
@@ -154,7 +177,35 @@ class Server:
             if install_signals:
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     loop.remove_signal_handler(sig)
-        return 0
+        return 130 if self.stop_signal == signal.SIGINT else 0  # Ctrl-C: the shell's convention
+
+
+class Serving:
+    """A server started in a running loop by ``start()``: no lifespan, no signal handlers."""
+
+    def __init__(self, servers: list[asyncio.base_events.Server], connections: Connections, sockets: list[socket.socket]):
+        self.servers, self.connections, self.sockets = servers, connections, sockets
+        self.port: int = sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        """Stop accepting, let in-flight requests finish up to the drain timeout, close the rest."""
+        for srv in self.servers:
+            srv.close()
+        self.connections.shutdown()
+        try:
+            await asyncio.wait_for(self.connections.empty.wait(), self.connections.limits.drain_timeout)
+        except asyncio.TimeoutError:
+            self.connections.abort_all()
+        for srv in self.servers:
+            await srv.wait_closed()
+
+
+async def start(app: Any, cfg: ServerConfig, *, drain: float, sockets: list[socket.socket]) -> Serving:
+    """Serve ``app`` on ``sockets`` in this loop with the same bounds, e.g. a second (admin) port."""
+    loop = asyncio.get_running_loop()
+    conns = Connections(app, ServerLimits.from_config(cfg, drain), loop)
+    servers = [await loop.create_server(lambda: HttpConnection(conns), sock=s, backlog=BACKLOG) for s in sockets]
+    return Serving(servers, conns, sockets)
 
 
 def new_loop() -> asyncio.AbstractEventLoop:

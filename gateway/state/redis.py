@@ -29,6 +29,7 @@ import orjson
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import NoScriptError, ResponseError
 
 from ..config import ApiKeyConfig, ConfigError
 from . import stats
@@ -232,6 +233,8 @@ class RedisStore(StateStore):
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
         try:
+            for script in (self._admit, self._settle_script, self._renew):
+                script.sha = await self._call("script_load", self.r.script_load(script.script))
             await self._call("start", self.sync_keys())
             await self._heartbeat_once()
         except Exception as exc:
@@ -378,6 +381,44 @@ class RedisStore(StateStore):
         share = max(1, self.replicas)
         return self.fallback.admit(key, reserve, lease, share), False, share
 
+    async def _eval_many(self, op: str, calls: list[tuple[Any, list[str], list[Any]]]) -> list[Any]:
+        """Run scripts as one batch of EVALSHA commands on one connection: one write, one round
+        trip. The commands are packed here (redis-py's general packer costs more than the rest of
+        the request); a Redis that lost its scripts (restarted) gets them loaded and the batch
+        re-run once. Results may hold per-call exceptions."""
+        for attempt in (0, 1):
+            buf: list[bytes] = []
+            for script, keys, args in calls:
+                items = [b"EVALSHA", script.sha.encode(), b"%d" % len(keys), *[k.encode() for k in keys], *[_arg(a) for a in args]]
+                buf.append(b"*%d\r\n" % len(items))
+                for item in items:
+                    buf += (b"$%d\r\n" % len(item), item, b"\r\n")
+            results = await self._call(op, self._send_raw(b"".join(buf), len(calls)))
+            if attempt == 0 and any(isinstance(r, NoScriptError) for r in results):
+                for script in {id(c[0]): c[0] for c in calls}.values():
+                    script.sha = await self._call("script_load", self.r.script_load(script.script))
+                continue
+            return results
+        raise AssertionError("unreachable")
+
+    async def _send_raw(self, packed: bytes, n: int) -> list[Any]:
+        pool = self.r.connection_pool
+        conn = await pool.get_connection()
+        try:
+            await conn.send_packed_command(packed, check_health=False)
+            out: list[Any] = []
+            for _ in range(n):
+                try:
+                    out.append(await conn.read_response())
+                except ResponseError as exc:  # an error reply to one command; the rest still follow
+                    out.append(exc)
+        except BaseException:
+            await conn.disconnect()  # half read: it must not go back to the pool as it is
+            raise
+        finally:
+            await pool.release(conn)
+        return out
+
     def _send_admits(self) -> None:
         """Every admission asked for in this turn of the loop goes in one pipeline: one connection,
         one write, one read, however many requests arrived together (each still one round trip)."""
@@ -388,23 +429,20 @@ class RedisStore(StateStore):
             task.add_done_callback(self._inflight.discard)
 
     async def _run_admits(self, batch: list[tuple[list[str], list[Any], asyncio.Future[Any]]]) -> None:
-        pipe = self.r.pipeline(transaction=False)
         try:
-            for keys, args, _ in batch:
-                await self._admit(keys=keys, args=args, client=pipe)
-            results = await self._call("admit", pipe.execute())
+            results = await self._eval_many("admit", [(self._admit, keys, args) for keys, args, _ in batch])
         except Exception as exc:
             for _, _, fut in batch:
                 if not fut.done():
                     fut.set_exception(exc)
             return
-        finally:
-            try:
-                await pipe.reset()
-            except Exception:
-                pass
         for (_, _, fut), res in zip(batch, results):
-            if not fut.done():
+            if fut.done():
+                continue
+            if isinstance(res, Exception):
+                stats.STATE_ERRORS.labels(op="admit").inc()
+                fut.set_exception(res)
+            else:
                 fut.set_result(res)
 
     def _settle(self, adm: Admission, used: int, prompt: int, completion: int, estimated: bool, counted: bool) -> None:
@@ -443,22 +481,17 @@ class RedisStore(StateStore):
             return
         batch = list(self._pending)
         self._pending.clear()
-        pipe = self.r.pipeline(transaction=False)
-        for keys, args in batch:
-            await self._settle_script(keys=keys, args=args, client=pipe)  # queued in the pipeline
         try:
-            await self._call("settle", pipe.execute())
+            results = await self._eval_many("settle", [(self._settle_script, keys, args) for keys, args in batch])
         except Exception:
             # Kept for later (bounded): usage is counted once Redis is back; leases expire on their own.
             for item in reversed(batch):
                 if len(self._pending) < MAX_PENDING:
                     self._pending.appendleft(item)
             raise
-        finally:
-            try:
-                await pipe.reset()
-            except Exception:
-                pass
+        failed = sum(1 for r in results if isinstance(r, Exception))
+        if failed:
+            stats.STATE_ERRORS.labels(op="settle").inc(failed)
 
     async def _flusher(self) -> None:
         while not self._closing:
@@ -490,7 +523,8 @@ class RedisStore(StateStore):
         pipe.zcard(replicas)
         if self._leases:
             held = list(self._leases.values())
-            await self._renew(keys=[k for k, _ in held], args=[ttl_ms, *[lid for _, lid in held]], client=pipe)
+            keys = [k for k, _ in held]
+            pipe.evalsha(self._renew.sha, len(keys), *keys, ttl_ms, *[lid for _, lid in held])
         load_key = f"{self._p}:load:{self.replica}"
         local = self.local_load() if self.local_load is not None else {}
         if local:
@@ -500,7 +534,15 @@ class RedisStore(StateStore):
         else:
             pipe.delete(load_key)
         pipe.zrange(replicas, 0, -1)
-        res = await self._call("heartbeat", pipe.execute())
+        res = await self._call("heartbeat", pipe.execute(raise_on_error=False))
+        if any(isinstance(r, NoScriptError) for r in res):  # a restarted Redis: load the scripts again
+            for script in (self._admit, self._settle_script, self._renew):
+                script.sha = await self._call("script_load", self.r.script_load(script.script))
+        errors = [r for r in res if isinstance(r, Exception) and not isinstance(r, NoScriptError)]
+        if errors:
+            stats.STATE_ERRORS.labels(op="heartbeat").inc()
+            self._mark_down("heartbeat")
+            raise errors[0]
         self.replicas = max(1, int(res[2]))
         others = [m.decode() if isinstance(m, bytes) else m for m in res[-1]]
         others = [m for m in others if m != self.replica]
@@ -573,3 +615,11 @@ async def _hgetall_many(r: Any, keys: list[str]) -> list[dict[Any, Any]]:
     for k in keys:
         pipe.hgetall(k)
     return await pipe.execute()
+
+
+def _arg(a: Any) -> bytes:
+    if isinstance(a, bytes):
+        return a
+    if isinstance(a, int):
+        return b"%d" % a
+    return str(a).encode()
