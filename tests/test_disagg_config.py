@@ -12,6 +12,8 @@ from gateway.launcher.spawn import instance_argv, plan_group
 from gateway.routing.disagg import _engine_config, parse_prefill
 from gateway.sim.config import parse_args as sim_parse_args
 
+pytestmark = pytest.mark.unit
+
 KEYS = {"keys": [{"name": "k", "hash": hash_key(new_key())}]}
 
 

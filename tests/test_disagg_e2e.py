@@ -14,6 +14,8 @@ import pytest
 
 from support import GatewayServer, gateway_config, wait_until
 
+pytestmark = pytest.mark.e2e
+
 SIM = {"ttft": 0.005, "tpot": 0.002}
 
 

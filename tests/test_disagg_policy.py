@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import httpx
+import pytest
 
 from gateway.routing.pd_policy import PDPicker
 from gateway.routing.pool import Backend
 from support import GatewayServer, wait_until
 from test_disagg_e2e import ds, instances, pd_config, recorded, sim_control
+
+pytestmark = pytest.mark.e2e
 
 
 def backends(n: int, role: str) -> list[Backend]:

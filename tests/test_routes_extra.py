@@ -15,6 +15,8 @@ from gateway.config import ConfigError, parse_config
 from gateway.filters.auth import hash_key, new_key
 from support import GatewayServer, Sim, gateway_config
 
+pytestmark = pytest.mark.e2e
+
 EXTRA = ("/generate", "/pooling", "/v1/encode", "/get_ppl")
 BODIES = {
     "/generate": {"model": "m", "prompt": "hello", "max_tokens": 3},

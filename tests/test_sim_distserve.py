@@ -8,6 +8,8 @@ import pytest
 
 from support import Sim, wait_until
 
+pytestmark = pytest.mark.e2e
+
 INFO_KEYS = {"tp_size", "ep_size", "dp_size", "pp_size", "dp_rank", "block_size", "num_cpu_blocks", "num_gpu_blocks"}
 
 
