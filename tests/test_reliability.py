@@ -10,6 +10,8 @@ import pytest
 
 from support import GatewayServer, Sim, free_port, gateway_config, gateway_with_sims, wait_until
 
+pytestmark = pytest.mark.e2e
+
 MODEL = "test-model"
 MSG = [{"role": "user", "content": "hi"}]
 
