@@ -143,7 +143,7 @@ class Gateway:
             self.disagg.client = self.control_client
         if self.admin is not None:
             admin = self.config.admin
-            self.admin_server = await start_server(self.admin, admin.host, admin.port)
+            self.admin_server = await start_server(self.admin, admin.host, admin.port, self.config.server, drain=min(self.config.timeouts.drain, 5.0))
             log.info("admin listener on http://%s:%d (status page: /status)", admin.host, self.admin_server.port)
         interval = self.config.balancer.scrape_interval
         if interval > 0 and self.balancer.reads_signals:

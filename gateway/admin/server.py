@@ -1,30 +1,27 @@
-"""Run an ASGI app as a second server in the running event loop (today on uvicorn).
+"""Run the admin app as a second server in the running event loop, on the gateway's own HTTP server.
 
-The admin listener is an ASGI app plus this small start function, so it can move to another
-server without touching the app. The socket is bound here first: a busy port is an ``OSError``
-with the address in it, raised before anything is announced.
+The admin port gets the same bounds as the public one (head size, timeouts, connection cap, no
+upgrades). The socket is bound here first: a busy port is an ``OSError`` with the address in it,
+raised before anything is announced.
 """
 
 from __future__ import annotations
 
-import asyncio
 import socket
 from typing import Any
 
+from ..config import ServerConfig
 from ..responses import ASGIApp
 
 
 class RunningServer:
-    def __init__(self, server: Any, task: asyncio.Task[None], sock: socket.socket):
-        self._server = server
-        self._task = task
+    def __init__(self, serving: Any, sock: socket.socket):
+        self._serving = serving
         self._sock = sock
         self.port: int = sock.getsockname()[1]
 
     async def stop(self) -> None:
-        self._server.should_exit = True
-        await self._task
-        await self._server.shutdown(sockets=[self._sock])
+        await self._serving.stop()
         self._sock.close()
 
 
@@ -42,15 +39,10 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def start_server(app: ASGIApp, host: str, port: int) -> RunningServer:
+async def start_server(app: ASGIApp, host: str, port: int, server: ServerConfig | None = None, drain: float = 5.0) -> RunningServer:
     """Serve ``app`` on host:port in this loop until ``stop()``; no lifespan, no signal handlers."""
-    import uvicorn
+    from ..server import start
 
     sock = bind(host, port)
-    config = uvicorn.Config(app, lifespan="off", log_config=None, access_log=False, server_header=False, proxy_headers=False)
-    config.load()
-    server = uvicorn.Server(config)
-    server.lifespan = config.lifespan_class(config)
-    await server.startup(sockets=[sock])
-    task = asyncio.get_running_loop().create_task(server.main_loop(), name=f"admin server :{sock.getsockname()[1]}")
-    return RunningServer(server, task, sock)
+    serving = await start(app, server or ServerConfig(), drain=drain, sockets=[sock])
+    return RunningServer(serving, sock)
