@@ -4,8 +4,7 @@ Targets, all against the same very fast fake backend (bench/fake_backend.py):
   direct            the backend itself: the limit
   gateway                  auth, path/body/media policy, balancer, our HTTP/1.1 client (the default)
   gateway[aiohttp]         the same with an aiohttp ClientSession
-  gateway[httpx-aiohttp]   the same over httpx with the aiohttp transport of httpx-aiohttp
-  gateway[httpx]           the same with httpx's own connection pool
+  (the httpx transports were dropped: they cannot enforce response framing, see gateway/upstream.py)
   lmdeploy-proxy    `lmdeploy serve proxy`, when lmdeploy is installed
 
 Load comes from wrk (Debian package `wrk`), at concurrency 1 and 32, non-streaming and streaming.
@@ -19,7 +18,7 @@ like this (a separate, git-ignored venv; the imports pull torch):
         transformers uvicorn aiohttp requests prometheus_client pillow safetensors sentencepiece \
         tiktoken einops partial_json_parser openai pybase64 pyzmq cloudpickle protobuf psutil openai_harmony
 
-    python bench/overhead.py [--duration 5] [--targets direct,gateway,gateway[httpx-aiohttp],gateway[httpx]]
+    python bench/overhead.py [--duration 5] [--targets direct,gateway,gateway[aiohttp]]
 """
 
 from __future__ import annotations
@@ -125,7 +124,7 @@ def gateway_config(path: Path, backend_port: int, key_hash: str, transport: str)
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--duration", type=float, default=5.0, help="seconds per measurement")
-    ap.add_argument("--targets", default="direct,gateway,gateway[aiohttp],gateway[httpx-aiohttp],gateway[httpx],lmdeploy-proxy")
+    ap.add_argument("--targets", default="direct,gateway,gateway[aiohttp],lmdeploy-proxy")
     ap.add_argument("--concurrency", default="1,32")
     local = ROOT / ".venv-lmdeploy" / "bin" / "lmdeploy"
     ap.add_argument("--lmdeploy", default=shutil.which("lmdeploy") or (str(local) if local.exists() else None),

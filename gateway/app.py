@@ -8,12 +8,15 @@ shut-down (after uvicorn has drained in-flight requests) stops them.
 from __future__ import annotations
 
 import logging
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 from .config import GatewayConfig
 from .filters.auth import ApiKeyAuth
 from .filters.body import BodyPolicy
+from .filters.cors import CorsPolicy
 from .filters.limits import RateLimit
 from .filters.media import MediaPolicy
 from .filters.paths import PathPolicy
@@ -24,6 +27,9 @@ from .routing.pool import Backend, BackendPool
 from .routing.router import Router
 from .routing.queue import Admission, GatewayQueue
 from .routing.signals import MetricsScraper, Signals
+from .state import make_store
+from .state.reload import KeysFileWatcher
+from .tracing import Tracing
 from .upstream import Upstream, make_client, make_upstream
 
 log = logging.getLogger("gateway")
@@ -36,11 +42,15 @@ class Gateway:
         self.balancer = make_balancer(config.balancer.policy, config.balancer)
         self.scraper: MetricsScraper | None = None
         self.paths = PathPolicy()
-        self.auth = ApiKeyAuth(config.auth)
-        self.limits = RateLimit(config.auth)
+        self.store = make_store(config)  # keys, limits, usage, shared load (gateway/state)
+        self.keys_file = KeysFileWatcher(config.auth, self.store.keys)
+        self.auth = ApiKeyAuth(config.auth, self.store.keys)
+        self.limits = RateLimit(self.store)
         self.body = BodyPolicy(config.limits)
         self.media = MediaPolicy(config.media)
         self.local = LocalRoutes(self.pool)
+        self.cors = CorsPolicy(config.server.cors) if config.server.cors.enabled else None
+        self.tracing = Tracing(config.tracing)
         self.upstream: Upstream | None = None
         self.control_client: Any = None
         # The upstream client needs a running loop: startup() gives the router its client.
@@ -88,14 +98,18 @@ class Gateway:
                 access_log=self.config.server.access_log,
                 startup=self.startup,
                 shutdown=self.shutdown,
+                cors=self.cors,
+                tracer=self.tracing,
             )
         return self._listener
 
     async def startup(self) -> None:
         if self.config.auth.disabled:
             log.warning("AUTHENTICATION IS DISABLED (auth.disabled: true): anyone who can reach this port can use every backend")
+        await self.store.start()
+        self.keys_file.start()
         up = self.config.upstream
-        self.upstream = make_upstream(up.transport, self.config.timeouts, up.max_connections)
+        self.upstream = make_upstream(up.transport, self.config.timeouts, up.max_connections, up)
         self.router.upstream = self.upstream
         self.control_client = make_client(self.config.timeouts)  # health checks and metrics scraping
         self.pool.start(self.control_client)
@@ -107,7 +121,8 @@ class Gateway:
         if self.config.launch:
             from .launcher import Launcher  # imported lazily: a gateway with only remote backends needs none of it
 
-            self.launcher = Launcher(self.config.launch, self.pool)
+            log_dir = os.environ.get("LMDEPLOY_GATEWAY_LOG_DIR") or Path(self.config.state_dir) / "logs"
+            self.launcher = Launcher(self.config.launch, self.pool, log_dir=log_dir)
             self.local.launcher = self.launcher
             await self.launcher.start()
         await self.pool.check_all()
@@ -119,7 +134,10 @@ class Gateway:
         if self.scraper is not None:
             await self.scraper.stop()
         await self.pool.stop()
+        await self.keys_file.stop()
+        await self.store.close()
         if self.upstream is not None:
             await self.upstream.aclose()
         if self.control_client is not None:
             await self.control_client.aclose()
+        self.tracing.shutdown()

@@ -1,4 +1,4 @@
-"""Command line: ``gateway serve | check-config | keys | sim``.
+"""Command line: ``gateway serve | check-config | keys | usage | sim``.
 
 ``check-config`` runs exactly the validation ``serve`` runs. Configuration problems are printed
 all at once, one per line, and exit with status 2: never a traceback.
@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import dataclasses
 import os
 import sys
-from pathlib import Path
 
 from .config import ConfigError, GatewayConfig, load_config
 
@@ -44,11 +44,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from .app import Gateway
 
-    logging.basicConfig(
-        level=cfg.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
-    for noisy in ("httpx", "httpcore"):  # one line per health probe otherwise
-        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
+    from . import logs
+
+    logs.configure(cfg.log.format, cfg.server.log_level)
+    if args.state_dir:
+        cfg = dataclasses.replace(cfg, state_dir=args.state_dir)
     host = args.host or cfg.server.host
     port = args.port if args.port is not None else cfg.server.port
     gateway = Gateway(cfg)
@@ -61,6 +61,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         lifespan="on",
         access_log=False,  # ours (server.access_log) names keys by id and never logs query strings
         log_level=cfg.server.log_level,
+        log_config=None,  # uvicorn's lines go through our handler (and format) too
         timeout_graceful_shutdown=int(cfg.timeouts.drain) or None,
         server_header=False,
         date_header=False,
@@ -72,29 +73,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its clean shutdown
         return 130
     return 0 if server.started else 1
-
-
-def cmd_keys_create(args: argparse.Namespace) -> int:
-    from .filters.auth import hash_key, new_key
-
-    key = new_key()
-    digest = hash_key(key)
-    entry = f'  - {{name: {args.name}, hash: "{digest}"}}'
-    if args.file:
-        path = Path(args.file)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        existing = path.read_text(encoding="utf-8") if path.exists() else ""
-        with path.open("a", encoding="utf-8") as f:
-            if "keys:" not in existing:
-                f.write("# API key hashes (sha256). The keys themselves are shown once, at creation, and never stored.\nkeys:\n")
-            f.write(entry + "\n")
-        os.chmod(path, 0o600)
-        print(f"Created API key {args.name!r} (hash appended to {path}). It is shown once; store it now:\n\n    {key}\n")
-    else:
-        print(f"New API key {args.name!r}. It is shown once; store it now:\n\n    {key}\n")
-        print("Paste this line under `auth: keys:` in your config:\n")
-        print(entry)
-    return 0
 
 
 def cmd_keys_hash(args: argparse.Namespace) -> int:
@@ -119,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", "-c", required=True, help="YAML config file")
     p.add_argument("--host", default=None, help="override server.host")
     p.add_argument("--port", type=int, default=None, help="override server.port")
+    p.add_argument("--state-dir", default=None, help="override state_dir: where launched instances' logs go (must be writable)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("check-config", help="validate a config file exactly as serve does, and exit")
@@ -126,10 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_check_config)
 
     keys = sub.add_parser("keys", help="manage API keys").add_subparsers(dest="keys_command", required=True)
-    p = keys.add_parser("create", help="create a random API key; print it once with its config line")
-    p.add_argument("--name", default="default")
-    p.add_argument("--file", default=None, help="append the hash to this keys file (see auth.keys_file)")
-    p.set_defaults(func=cmd_keys_create)
+    from .state.admin import add_commands as add_key_commands
+
+    add_key_commands(keys, sub)  # create|list|show|revoke|update, and `gateway usage` (gateway/state/admin.py)
     p = keys.add_parser("hash", help="print the stored form of an existing key ('-' reads it from stdin)")
     p.add_argument("key")
     p.set_defaults(func=cmd_keys_hash)

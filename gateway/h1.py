@@ -10,6 +10,12 @@ keep-alive timeout), one write per request, the response parsed by httptools (ch
 sized), body chunks handed over as they arrive with back-pressure (reading pauses while the
 consumer is behind), and a connection that is given up mid-response is closed, so the backend
 sees its client leave and stops generating.
+
+Backends are untrusted, so the parse is bounded and strict: the response head has a byte and a
+header-count limit (counted as bytes arrive, before the parser accumulates them); only a final
+status (200-599) is a response (an interim ``100 Continue`` is skipped; any other 1xx and ``101``
+are refused); and bytes after a complete response (a second, unsolicited response, or garbage)
+poison the connection: it is closed, never reused, and those bytes reach nobody.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import asyncio
 import collections
 import ssl
 import sys
+import logging
 import time
 from typing import AsyncIterator
 
@@ -30,6 +37,10 @@ else:  # pragma: no cover - Python 3.10
 
 IDLE_EXPIRY = 4.0  # below uvicorn's (and so lmdeploy's) 5 s keep-alive timeout
 HIGH_WATER = 1 << 20  # bytes buffered for a slow consumer before we stop reading from the backend
+MAX_HEADER_BYTES = 64 * 1024
+MAX_HEADERS = 100
+
+log = logging.getLogger("gateway.upstream")
 
 
 class ConnectFailed(Exception):
@@ -44,16 +55,34 @@ class ConnectionLost(Exception):
     """The connection closed before the response was complete."""
 
 
+class InvalidResponse(Exception):
+    """The backend broke the protocol or a limit; ``reason`` says how (a metric label)."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class _Violation(Exception):
+    """Raised inside a parser callback to stop the parse; the reason is kept on the connection."""
+
+
 class _Conn(asyncio.Protocol):
     __slots__ = (
         "transport", "parser", "status", "headers", "chunks", "buffered", "done", "lost",
         "waiter", "head_waiter", "keep_alive", "idle_since", "_paused", "_header_name",
+        "violation", "head_bytes", "head_complete", "max_header_bytes", "max_headers", "peer", "why",
     )
 
-    def __init__(self) -> None:
+    def __init__(self, max_header_bytes: int = MAX_HEADER_BYTES, max_headers: int = MAX_HEADERS, peer: str = "") -> None:
         self.transport: asyncio.Transport | None = None
         self.lost = False
         self.idle_since = 0.0
+        self.max_header_bytes = max_header_bytes
+        self.max_headers = max_headers
+        self.peer = peer  # host:port, for the operator's log only
+        self.violation: str | None = None
+        self.why: str | None = None  # set by a parser callback that refused what it saw
         self._reset()
 
     def _reset(self) -> None:
@@ -68,18 +97,37 @@ class _Conn(asyncio.Protocol):
         self.head_waiter: asyncio.Future[None] | None = None
         self._paused = False
         self._header_name = b""
+        self.head_bytes = 0
+        self.head_complete = False
 
     # -- asyncio.Protocol ---------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        if self.done or self.violation is not None:
+            # Nothing was asked for (an idle connection, or a response already complete).
+            self._poison(self.violation or "trailing_bytes")
+            return
+        if not self.head_complete:
+            self.head_bytes += len(data)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError:
-            self._fail()
-            if self.transport is not None:
-                self.transport.close()
+            self._poison(self.why or ("trailing_bytes" if self.done else "malformed"))
+            return
+        if not self.head_complete and self.head_bytes > self.max_header_bytes:
+            self._poison("headers_too_large")
+
+    def _poison(self, reason: str) -> None:
+        """Stop reading, close, never reuse. A response already complete is still delivered."""
+        if self.violation is None:
+            self.violation = reason
+            log.warning("backend %s broke the protocol (%s); connection closed", self.peer, reason)
+        self.keep_alive = False
+        self._fail()
+        if self.transport is not None:
+            self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
@@ -92,11 +140,28 @@ class _Conn(asyncio.Protocol):
                 fut.set_result(None)
 
     # -- httptools callbacks ------------------------------------------------------------------------
+    def _violate(self, reason: str) -> None:
+        self.why = reason
+        raise _Violation(reason)
+
+    def on_message_begin(self) -> None:
+        if self.done:  # a second response to one request
+            self._violate("trailing_bytes")
+
     def on_header(self, name: bytes, value: bytes) -> None:
+        if len(self.headers) >= self.max_headers:
+            self._violate("too_many_headers")
         self.headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
-        self.status = self.parser.get_status_code()
+        status = self.parser.get_status_code()
+        if status == 100:  # interim: the final response follows on the same connection
+            self.headers = []
+            return
+        if not 200 <= status <= 599:
+            self._violate(f"status_{status}" if 100 <= status <= 199 else "bad_status")
+        self.status = status
+        self.head_complete = True
         self.keep_alive = self.parser.should_keep_alive()
         if self.head_waiter is not None and not self.head_waiter.done():
             self.head_waiter.set_result(None)
@@ -110,6 +175,9 @@ class _Conn(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if not self.head_complete:  # the end of an interim 100: its head does not count
+            self.head_bytes = 0
+            return
         self.done = True
         self._wake()
 
@@ -151,6 +219,8 @@ class H1Response:
                 continue
             if conn.done:
                 return
+            if conn.violation is not None:
+                raise InvalidResponse(conn.violation)
             if conn.lost:
                 raise ConnectionLost()
             conn.waiter = loop.create_future()
@@ -164,7 +234,7 @@ class H1Response:
             return
         self._closed = True
         conn = self._conn
-        if conn.done and not conn.chunks and conn.keep_alive and not conn.lost:
+        if conn.done and not conn.chunks and conn.keep_alive and not conn.lost and conn.violation is None:
             self._pool.release(conn)
         elif conn.transport is not None:
             conn.transport.close()  # mid-response: the backend must see us leave
@@ -173,10 +243,21 @@ class H1Response:
 class H1Pool:
     """Keep-alive connections to one backend (host, port)."""
 
-    def __init__(self, host: str, port: int, connect_timeout: float, tls: ssl.SSLContext | None = None):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        connect_timeout: float,
+        tls: ssl.SSLContext | None = None,
+        *,
+        max_header_bytes: int = MAX_HEADER_BYTES,
+        max_headers: int = MAX_HEADERS,
+    ):
         self.host = host
         self.port = port
         self.tls = tls
+        self.max_header_bytes = max_header_bytes
+        self.max_headers = max_headers
         self.idle: collections.deque[_Conn] = collections.deque()
         self.connect_timeout = connect_timeout
 
@@ -184,18 +265,22 @@ class H1Pool:
         now = time.monotonic()
         while self.idle:
             conn = self.idle.pop()  # most recently used first: it is the least likely to be closing
-            if not conn.lost and now - conn.idle_since < IDLE_EXPIRY:
+            if not conn.lost and conn.violation is None and now - conn.idle_since < IDLE_EXPIRY:
                 conn._reset()
                 return conn
             if conn.transport is not None:
                 conn.transport.close()
         loop = asyncio.get_running_loop()
+
+        def make() -> _Conn:
+            return _Conn(self.max_header_bytes, self.max_headers, f"{self.host}:{self.port}")
+
         try:
             async with _timeout(self.connect_timeout):
                 if self.tls is None:
-                    _, conn = await loop.create_connection(_Conn, self.host, self.port)
+                    _, conn = await loop.create_connection(make, self.host, self.port)
                 else:
-                    _, conn = await loop.create_connection(_Conn, self.host, self.port, ssl=self.tls, server_hostname=self.host)
+                    _, conn = await loop.create_connection(make, self.host, self.port, ssl=self.tls, server_hostname=self.host)
         except TimeoutError:
             raise ConnectTimeout() from None
         except OSError as exc:
@@ -220,8 +305,10 @@ class H1Pool:
             raise
         finally:
             conn.head_waiter = None
-        if conn.status == 0:  # lost before a status line
+        if conn.status == 0:  # lost (or refused) before a final status line
             conn.transport.close()
+            if conn.violation is not None:
+                raise InvalidResponse(conn.violation)
             raise ConnectionLost()
         return H1Response(conn, self)
 

@@ -22,11 +22,12 @@ import secrets
 import time
 from typing import Any, Awaitable, Callable
 
-from . import metrics
+from . import logs, metrics, tracing
 from .errors import Refusal, model_not_found
 from .filters import RequestContext
 from .filters.auth import ApiKeyAuth, key_id, model_allowed
 from .filters.body import BodyPolicy
+from .filters.cors import CorsPolicy
 from .filters.limits import RateLimit
 from .filters.media import MediaPolicy
 from .filters.paths import PathPolicy
@@ -86,6 +87,9 @@ class Listener:
         access_log: bool = False,
         startup: Lifecycle | None = None,
         shutdown: Lifecycle | None = None,
+        cors: CorsPolicy | None = None,
+        tracer: tracing.Tracing | None = None,
+        observe: Callable[[RequestContext, int, float], None] | None = None,
     ):
         self.paths = paths
         self.auth = auth
@@ -98,6 +102,9 @@ class Listener:
         self.access_log = access_log
         self._startup = startup
         self._shutdown = shutdown
+        self.cors = cors
+        self.tracer = tracer if tracer is not None and tracer.enabled else None
+        self.observe = observe  # e.g. the admin listener's live stats: (ctx, status, seconds)
         self._counters: dict[tuple[str, int], Any] = {}
         self._histograms: dict[str, Any] = {}
 
@@ -133,13 +140,26 @@ class Listener:
     # -- one request ------------------------------------------------------------------------
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.monotonic()
+        origin = None
+        if self.cors is not None:
+            origin = _header(scope, b"origin")
+            if scope["method"] == "OPTIONS" and await self._preflight(scope, origin, send):
+                return
         ctx = self._context(scope)
         if isinstance(ctx, Refusal):
-            await refuse(send, ctx, "openai")
-            status, kind = ctx.status, "unrouted"
+            rid = secrets.token_hex(8)
+            await refuse(_adding(send, self._answer_headers(rid, "openai", origin)), ctx, "openai")
+            status, kind, reason = ctx.status, "unrouted", ctx.reason
             ctx = None
         else:
-            status, kind = await self._run(ctx, receive, send), ctx.route.kind
+            given = ctx.headers.get(b"x-request-id")
+            rid = ctx.request_id = given.decode() if given is not None and _REQUEST_ID.match(given) else secrets.token_hex(8)
+            if self.tracer is not None:
+                ctx.span = self.tracer.start(scope["method"], ctx.route.path, ctx.headers)
+            status = await self._run(ctx, receive, _adding(send, self._answer_headers(ctx.request_id, ctx.style, origin)))
+            kind, reason = ctx.route.kind, ctx.refusal
+            tracing.finish(ctx, status)
+        elapsed = time.monotonic() - started
         counter = self._counters.get((kind, status // 100))
         if counter is None:  # labels() takes a lock and validates: look each child up once
             counter = self._counters[(kind, status // 100)] = metrics.REQUESTS.labels(route=kind, status=_STATUS_CLASS.get(status // 100, "other"))
@@ -148,15 +168,53 @@ class Listener:
             histogram = self._histograms.get(kind)
             if histogram is None:
                 histogram = self._histograms[kind] = metrics.LATENCY.labels(route=kind)
-            histogram.observe(time.monotonic() - started)
+            histogram.observe(elapsed)
+        if self.observe is not None and ctx is not None:
+            self.observe(ctx, status, elapsed)
         if self.access_log:
-            key = ctx.key if ctx is not None else None
-            # Keys are named by their configured name and a short id of their hash, never by value.
-            log.info(
-                '%s "%s %s" %d %.1fms key=%s model=%s',
-                _client(scope), scope["method"], _printable(scope["path"]), status, (time.monotonic() - started) * 1000,
-                f"{key.name}/{key_id(key.hash)}" if key else "-", _printable((ctx.model if ctx is not None else None) or "-"),
-            )
+            self._log_access(scope, ctx, status, elapsed, rid, reason)
+
+    def _answer_headers(self, rid: str, style: str, origin: bytes | None) -> list[tuple[bytes, bytes]]:
+        extra = [(b"x-request-id", rid.encode())]
+        if style == "anthropic":
+            extra.append((b"request-id", rid.encode()))  # what Anthropic's SDKs read
+        if self.cors is not None:
+            extra += self.cors.response_headers(origin)
+        return extra
+
+    async def _preflight(self, scope: Scope, origin: bytes | None, send: Send) -> bool:
+        assert self.cors is not None
+        headers = self.cors.preflight(scope["path"], origin, _header(scope, b"access-control-request-method"))
+        if headers is None:
+            return False
+        await send({"type": "http.response.start", "status": 204, "headers": headers})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return True
+
+    def _log_access(self, scope: Scope, ctx: RequestContext | None, status: int, elapsed: float, rid: str, refusal: str | None) -> None:
+        key = ctx.key if ctx is not None else None
+        outcome = ctx.outcome if ctx is not None else None
+        # Keys are named by their configured name and a short id of their hash, never by value.
+        fields = logs.access_fields(
+            request_id=rid,
+            method=scope["method"],
+            path=_printable(scope["path"]),
+            route=ctx.route.kind if ctx is not None else "unrouted",
+            status=status,
+            duration=elapsed,
+            client=_client(scope),
+            key=f"{key.name}/{key_id(key.hash)}" if key else None,
+            model=_printable(ctx.model) if ctx is not None and ctx.model else None,
+            backend=ctx.backend if ctx is not None else None,
+            ttfb=outcome.ttft if outcome is not None else None,
+            prompt_tokens=outcome.prompt_tokens if outcome is not None else None,
+            completion_tokens=outcome.completion_tokens if outcome is not None else None,
+            refusal=refusal,
+        )
+        logs.access_log.info(
+            '%s "%s %s" %d %.1fms key=%s model=%s', fields["client"], fields["method"], fields["path"], status, elapsed * 1000,
+            fields["key"] or "-", fields["model"] or "-", extra={"fields": fields},
+        )
 
     def _context(self, scope: Scope) -> RequestContext | Refusal:
         raw_path = scope.get("raw_path") or scope["path"].encode("latin-1", "replace")
@@ -174,33 +232,45 @@ class Listener:
     async def _run(self, ctx: RequestContext, receive: Receive, send: Send) -> int:
         """The chain for one routed request; returns the status the client got (499: it left)."""
         route = ctx.route
-        refusal = self.auth.check(ctx)
-        if refusal is None and self.limits.active:
-            refusal = self.limits.check(ctx)
+        refusal = _check(ctx, "filter.auth", self.auth.check)
         if refusal is None and not route.forward:
             return await self.local.answer(ctx, send)
         if refusal is None:
             refusal = self.body.check_headers(ctx)
         if refusal is not None:
             # The body was never read: close the connection rather than drain it for the client.
-            return await refuse(send, refusal, route.style, close=_has_body(ctx))
+            return await self._refuse(ctx, send, refusal, close=_has_body(ctx))
         try:
             raw = await self._read_body(receive)
         except _ClientGone:
             return 499
         if raw is None:
-            return await refuse(send, self.body.too_large, route.style, close=True)
-        refusal = self.body.parse(ctx, raw)
+            return await self._refuse(ctx, send, self.body.too_large, close=True)
+        refusal = _check(ctx, "filter.body", lambda ctx: self.body.parse(ctx, raw))
         if refusal is None and not model_allowed(ctx.key, ctx.model or ""):
             refusal = model_not_found(ctx.model or "")
         if refusal is None:
-            refusal = await self.media.check_body_async(ctx) if self.media.is_async else self.media.check_body(ctx)
+            with tracing.child(ctx, "filter.media"):
+                refusal = await self.media.check_body_async(ctx) if self.media.is_async else self.media.check_body(ctx)
         if refusal is not None:
-            return await refuse(send, refusal, route.style)
+            return await self._refuse(ctx, send, refusal)
         payload = self.body.serialise(ctx.body)  # type: ignore[arg-type]
         if isinstance(payload, Refusal):
-            return await refuse(send, payload, route.style)
-        return await self._forward(ctx, payload, receive, send)
+            return await self._refuse(ctx, send, payload)
+        with tracing.child(ctx, "filter.limits"):
+            admission = await self.limits.admit(ctx)  # per-key limits (state layer): one store call at most
+        if isinstance(admission, Refusal):
+            return await self._refuse(ctx, send, admission)
+        ctx.admission = admission
+        try:
+            return await self._forward(ctx, payload, receive, send)
+        finally:
+            if admission is not None:
+                self.limits.settle(admission, ctx.outcome)
+
+    async def _refuse(self, ctx: RequestContext, send: Send, refusal: Refusal, close: bool = False) -> int:
+        ctx.refusal = refusal.reason
+        return await refuse(send, refusal, ctx.style, close=close)
 
     async def _read_body(self, receive: Receive) -> bytes | None:
         """The whole body, or None once it passes the size cap (we stop reading there)."""
@@ -225,10 +295,7 @@ class Listener:
                 return b"".join(parts)
 
     async def _forward(self, ctx: RequestContext, payload: bytes, receive: Receive, send: Send) -> int:
-        rid = ctx.headers.get(b"x-request-id")
-        if rid is None or not _REQUEST_ID.match(rid):
-            rid = secrets.token_hex(8).encode()
-        headers = [_JSON, (b"x-request-id", rid)]
+        headers = [_JSON, (b"x-request-id", ctx.request_id.encode())]
         for name in FORWARD_REQUEST_HEADERS:
             value = ctx.headers.get(name)
             if value is not None and b"\x00" not in value:
@@ -239,13 +306,14 @@ class Listener:
 
         async def send_tracked(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
-                message["headers"].append((b"x-request-id", rid))
+                if ctx.admission is not None and ctx.admission.headers:
+                    message["headers"] += ctx.admission.headers
             elif not message.get("more_body", False):
                 state["done"] = True
             await send(message)
 
         async def reply(refusal: Refusal) -> None:
-            await refuse(send_tracked, refusal, ctx.style)
+            await self._refuse(ctx, send_tracked, refusal)
 
         async def watch() -> None:
             # A client that goes away must cancel the upstream request: that frees the GPU.
@@ -276,3 +344,29 @@ class Listener:
             timer.cancel()
             if watcher:
                 watcher[0].cancel()
+
+
+def _check(ctx: RequestContext, name: str, check: Callable[[RequestContext], Refusal | None]) -> Refusal | None:
+    """Run one filter, in its own span when the request is traced."""
+    if ctx.span is None:
+        return check(ctx)
+    with ctx.span.child(name):
+        return check(ctx)
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value
+    return None
+
+
+def _adding(send: Send, extra: list[tuple[bytes, bytes]]) -> Send:
+    """``send`` with ``extra`` headers on the response start (request id, CORS): every answer gets them."""
+
+    async def send_with(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            message["headers"] = [*message["headers"], *extra]
+        await send(message)
+
+    return send_with

@@ -13,9 +13,10 @@ from typing import Protocol
 from prometheus_client import generate_latest
 
 from . import metrics
-from .errors import Refusal
+from .errors import Refusal, model_not_found
 from .filters import RequestContext
 from .responses import Send, refuse, send_json
+from .routes import MODEL_PREFIX
 from .routing.pool import BackendPool
 
 METRICS_FORBIDDEN = Refusal(403, "This API key may not read the gateway's metrics (it needs `admin: true`).", "not_admin", code="permission_denied")
@@ -54,9 +55,11 @@ class LocalRoutes:
             return await self._ready(send)
         if kind == "models":
             return await self._models(ctx, send)
+        if kind == "model":
+            return await self._model(ctx, send)
         if kind == "metrics":
             if ctx.key is not None and not ctx.key.admin:
-                return await refuse(send, METRICS_FORBIDDEN, "openai")
+                return await _refuse(ctx, send, METRICS_FORBIDDEN)
             body = render_metrics(self.pool, self.launcher)
             await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", METRICS_CONTENT_TYPE)]})
             await send({"type": "http.response.body", "body": body, "more_body": False})
@@ -74,10 +77,25 @@ class LocalRoutes:
         return code
 
     async def _models(self, ctx: RequestContext, send: Send) -> int:
-        allowed = ctx.key.models if ctx.key is not None else None
-        models = sorted(m for m in self.pool.healthy_models() if allowed is None or m in allowed)
-        await send_json(send, 200, {"object": "list", "data": [_model_entry(m) for m in models]})
+        await send_json(send, 200, {"object": "list", "data": [_model_entry(m) for m in sorted(self._visible(ctx))]})
         return 200
+
+    async def _model(self, ctx: RequestContext, send: Send) -> int:
+        model = ctx.scope["path"][len(MODEL_PREFIX) :]
+        if model not in self._visible(ctx):  # unknown and not allowed read the same: no probing
+            return await _refuse(ctx, send, model_not_found(model))
+        await send_json(send, 200, _model_entry(model))
+        return 200
+
+    def _visible(self, ctx: RequestContext) -> frozenset[str]:
+        allowed = ctx.key.models if ctx.key is not None else None
+        models = self.pool.healthy_models()
+        return models if allowed is None else models & frozenset(allowed)
+
+
+async def _refuse(ctx: RequestContext, send: Send, refusal: Refusal) -> int:
+    ctx.refusal = refusal.reason
+    return await refuse(send, refusal, ctx.style)
 
 
 def _model_entry(model: str) -> dict[str, object]:

@@ -42,9 +42,15 @@ ROUTES: dict[tuple[str, str], Route] = {
 # Paths the table knows, for a 405 instead of a 404 when only the method is wrong.
 KNOWN_PATHS: frozenset[str] = frozenset(p for _, p in ROUTES)
 
+# GET /v1/models/{id}: the one route with a parameter; the id is the rest of the (canonical) path.
+MODEL_PREFIX = "/v1/models/"
+MODEL_ROUTE = Route("GET", MODEL_PREFIX + "{id}", "model", forward=False)
+
 
 def lookup(method: str, path: str) -> Route | None:
     route = ROUTES.get((method, path))
+    if route is None and path.startswith(MODEL_PREFIX) and len(path) > len(MODEL_PREFIX) and method in ("GET", "HEAD"):
+        return MODEL_ROUTE
     if route is None and method == "HEAD":
         r = ROUTES.get(("GET", path))
         if r is not None and not r.forward:

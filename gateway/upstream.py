@@ -6,14 +6,25 @@ One client per process, chosen by ``upstream.transport`` and measured side by si
 - ``native`` (default): our keep-alive HTTP/1.1 client on asyncio + httptools (``h1.py``). The
   leanest hot path.
 - ``aiohttp``: an aiohttp ``ClientSession`` used directly, with the request URL of each
-  (backend, route) pair built once.
-- ``httpx-aiohttp``: an ``httpx.AsyncClient`` over the aiohttp transport of ``httpx-aiohttp``.
-- ``httpx``: httpx with its own connection pool, which collapses under concurrency; kept only so
-  the benchmark can show it.
+  (backend, route) pair built once; kept to be measured against.
+
+The httpx transports (``httpx``, ``httpx-aiohttp``) were dropped: they cannot hold the framing
+rule below. httpcore's h11 keeps bytes past the end of a response in its buffer and parses them
+as the answer to the *next* request on that connection (an injected response reached another
+client in tests/test_untrusted_backends.py), and httpx-aiohttp lets aiohttp's parser errors
+escape as non-httpx exceptions. httpx remains the control-plane client (health, metrics, models).
 
 The URL is always a backend base plus a constant route path. Timeouts: connect, first byte
 (response headers, and the first body chunk) and idle between chunks. Streams are relayed
 chunk by chunk as they arrive, never re-framed.
+
+Backends are untrusted (``UpstreamLimits``): only a final status (200-599) is a response; the
+head is bounded in bytes and header count; a whole response is read up to
+``max_response_bytes``; a stream may not go ``max_line_bytes`` without a newline. Anything else
+is an ``UpstreamInvalid`` and the connection is closed, never reused. Framing (bytes after a
+complete response) is checked by the transport: ``h1.py`` closes such a connection the moment
+the bytes arrive; aiohttp refuses to reuse a connection with unread or unparsed bytes
+(``ResponseHandler.should_close``) and fails a response followed by garbage.
 """
 
 from __future__ import annotations
@@ -29,8 +40,8 @@ import httpx
 from httpx_aiohttp import AiohttpTransport
 from yarl import URL
 
-from .config import TimeoutsConfig
-from .h1 import ConnectFailed, ConnectionLost, ConnectTimeout, H1Pool
+from .config import TimeoutsConfig, UpstreamConfig
+from .h1 import ConnectFailed, ConnectionLost, ConnectTimeout, H1Pool, InvalidResponse
 
 if sys.version_info >= (3, 11):
     from asyncio import timeout as _timeout
@@ -41,7 +52,7 @@ else:  # pragma: no cover - Python 3.10
 FORWARD_REQUEST_HEADERS = (b"accept", b"anthropic-version", b"anthropic-beta")
 # Response headers a client may see from a backend.
 FORWARD_RESPONSE_HEADERS = frozenset((b"content-type", b"retry-after"))
-TRANSPORTS = ("native", "aiohttp", "httpx-aiohttp", "httpx")
+TRANSPORTS = ("native", "aiohttp")
 _KEEPALIVE = 4.0  # below uvicorn's 5 s default, so we close idle sockets before the backend does
 
 
@@ -59,16 +70,26 @@ class UpstreamFailure(Exception):
         self.kind = kind
 
 
+class UpstreamInvalid(UpstreamFailure):
+    """The backend's answer broke the protocol or a limit; ``reason`` says which (a metric label)."""
+
+    def __init__(self, reason: str):
+        super().__init__("invalid_response")
+        self.reason = reason
+
+
 class UpstreamResponse:
     """What the router needs of a response, whatever the transport."""
 
-    __slots__ = ("status", "headers", "_chunks", "_close")
+    __slots__ = ("status", "headers", "declared_length", "_chunks", "_close", "_max_line")
 
-    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], chunks, close):
+    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], chunks, close, declared_length: int | None = None, max_line: int = 0):
         self.status = status
         self.headers = headers  # only the allow-listed ones, lower-case names
+        self.declared_length = declared_length  # the backend's Content-Length, if it sent one
         self._chunks = chunks
         self._close = close
+        self._max_line = max_line
 
     @property
     def is_event_stream(self) -> bool:
@@ -78,25 +99,54 @@ class UpstreamResponse:
         return False
 
     def chunks(self) -> AsyncIterator[bytes]:
-        return self._chunks()
+        """The body as it arrives (for streams): a line longer than the limit is UpstreamInvalid."""
+        return _line_bounded(self._chunks(), self._max_line) if self._max_line else self._chunks()
 
     async def aclose(self) -> None:
         await self._close()
 
 
-class Upstream:
-    """Base: the deadline logic is shared; subclasses provide raw send and raw chunks."""
+async def _line_bounded(chunks: AsyncIterator[bytes], max_line: int) -> AsyncIterator[bytes]:
+    run = 0  # bytes since the last newline
+    async for chunk in chunks:
+        nl = chunk.rfind(b"\n")
+        run = run + len(chunk) if nl < 0 else len(chunk) - nl - 1
+        if run > max_line:
+            raise UpstreamInvalid("line_too_long")
+        yield chunk
 
-    def __init__(self, timeouts: TimeoutsConfig):
+
+def _declared_length(value: bytes | str | None) -> int | None:
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+class Upstream:
+    """Base: the deadline logic and the limits are shared; subclasses provide raw send and raw chunks."""
+
+    def __init__(self, timeouts: TimeoutsConfig, limits: UpstreamConfig | None = None):
         self.timeouts = timeouts
+        self.limits = limits or UpstreamConfig()
 
     async def open(self, url: str, payload: bytes, headers: list[tuple[bytes, bytes]]) -> UpstreamResponse:
-        """POST; return once response headers arrived. Raises UpstreamTimeout or UpstreamFailure."""
+        """POST; return once a final response head arrived. Raises UpstreamTimeout or UpstreamFailure."""
         try:
             async with _timeout(self.timeouts.first_byte):
-                return await self._send(url, payload, headers)
+                response = await self._send(url, payload, headers)
         except TimeoutError:
             raise UpstreamTimeout("first_byte") from None
+        if not 200 <= response.status <= 599:
+            # A transport that skips interim responses itself may still hand over a 101.
+            await response.aclose()
+            raise UpstreamInvalid(f"status_{response.status}" if 100 <= response.status <= 199 else "bad_status")
+        return response
+
+    def _check_head(self, header_count: int) -> None:
+        """For transports whose own parser does not count headers."""
+        if header_count > self.limits.max_headers:
+            raise UpstreamInvalid("too_many_headers")
 
     async def _bounded(self, raw: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         """Chunks, the first within the first-byte deadline, then each within the idle deadline.
@@ -118,9 +168,30 @@ class Upstream:
             if chunk:
                 yield chunk
 
-    async def read_all(self, response: UpstreamResponse) -> bytes:
-        parts = [c async for c in response.chunks()]
+    async def read_all(self, response: UpstreamResponse, limit: int | None = None) -> bytes:
+        """The whole body, at most ``limit`` (default ``max_response_bytes``) bytes, or UpstreamInvalid."""
+        limit = self.limits.max_response_bytes if limit is None else limit
+        if response.declared_length is not None and response.declared_length > limit:
+            raise UpstreamInvalid("body_too_large")
+        parts: list[bytes] = []
+        size = 0
+        async for chunk in response._chunks():
+            size += len(chunk)
+            if size > limit:
+                raise UpstreamInvalid("body_too_large")  # the caller's aclose() drops the connection
+            parts.append(chunk)
         return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    async def read_some(self, response: UpstreamResponse, limit: int) -> bytes:
+        """Up to ``limit`` bytes of the body, for a log line; the rest is never read."""
+        parts: list[bytes] = []
+        size = 0
+        async for chunk in response._chunks():
+            parts.append(chunk)
+            size += len(chunk)
+            if size >= limit:
+                break
+        return b"".join(parts)[:limit]
 
     async def _send(self, url: str, payload: bytes, headers: list[tuple[bytes, bytes]]) -> UpstreamResponse:
         raise NotImplementedError
@@ -129,9 +200,15 @@ class Upstream:
         raise NotImplementedError
 
 
+def _aiohttp_head_limits(limits: UpstreamConfig) -> dict[str, int]:
+    """aiohttp bounds each header line and the count; with both, the head is bounded too."""
+    per_line = max(1024, min(8190, limits.max_header_bytes))
+    return {"max_line_size": per_line, "max_field_size": per_line, "max_headers": limits.max_headers}
+
+
 class AiohttpUpstream(Upstream):
-    def __init__(self, timeouts: TimeoutsConfig, max_connections: int):
-        super().__init__(timeouts)
+    def __init__(self, timeouts: TimeoutsConfig, max_connections: int, limits: UpstreamConfig | None = None):
+        super().__init__(timeouts, limits)
         connector = aiohttp.TCPConnector(limit=max_connections, limit_per_host=0, keepalive_timeout=_KEEPALIVE, ttl_dns_cache=300)
         self.session = aiohttp.ClientSession(
             connector=connector,
@@ -139,6 +216,7 @@ class AiohttpUpstream(Upstream):
             skip_auto_headers=("User-Agent", "Accept-Encoding"),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect, connect=timeouts.connect),
             cookie_jar=aiohttp.DummyCookieJar(),
+            **_aiohttp_head_limits(self.limits),
         )
         self._urls: dict[str, URL] = {}
 
@@ -155,6 +233,8 @@ class AiohttpUpstream(Upstream):
             raise UpstreamFailure("connect_refused") from None
         except (aiohttp.ConnectionTimeoutError, aiohttp.ServerTimeoutError):
             raise UpstreamTimeout("connect") from None
+        except aiohttp.ClientResponseError as exc:  # the head broke a parser limit or the grammar
+            raise UpstreamInvalid("headers_too_large" if "too large" in str(exc).lower() else "malformed") from None
         except (aiohttp.ClientError, OSError):
             raise UpstreamFailure("reset") from None
 
@@ -174,8 +254,13 @@ class AiohttpUpstream(Upstream):
             else:
                 resp.close()  # drop the connection: the backend sees its client leave and stops generating
 
+        if len(resp.raw_headers) > self.limits.max_headers:
+            resp.close()
+            self._check_head(len(resp.raw_headers))
         headers_out = [(k.lower(), v) for k, v in resp.raw_headers if k.lower() in FORWARD_RESPONSE_HEADERS]
-        return UpstreamResponse(resp.status, headers_out, lambda: self._bounded(raw()), close)
+        return UpstreamResponse(
+            resp.status, headers_out, lambda: self._bounded(raw()), close, resp.content_length, self.limits.max_line_bytes
+        )
 
     async def aclose(self) -> None:
         await self.session.close()
@@ -184,8 +269,8 @@ class AiohttpUpstream(Upstream):
 class NativeUpstream(Upstream):
     """Our own keep-alive HTTP/1.1 client (gateway/h1.py): one write per request, no URL objects."""
 
-    def __init__(self, timeouts: TimeoutsConfig):
-        super().__init__(timeouts)
+    def __init__(self, timeouts: TimeoutsConfig, limits: UpstreamConfig | None = None):
+        super().__init__(timeouts, limits)
         self._targets: dict[str, tuple[H1Pool, bytes]] = {}
         self._pools: dict[tuple[str, str, int], H1Pool] = {}
         self._tls: ssl.SSLContext | None = None
@@ -201,7 +286,9 @@ class NativeUpstream(Upstream):
             tls = None
             if scheme == "https":
                 tls = self._tls = self._tls or ssl.create_default_context()
-            pool = self._pools[key] = H1Pool(host, port, self.timeouts.connect, tls)
+            pool = self._pools[key] = H1Pool(
+                host, port, self.timeouts.connect, tls, max_header_bytes=self.limits.max_header_bytes, max_headers=self.limits.max_headers
+            )
         netloc = parts.netloc.encode("ascii")
         prefix = b"POST " + parts.path.encode("ascii") + b" HTTP/1.1\r\nhost: " + netloc + b"\r\ncontent-type: application/json\r\n"
         self._targets[url] = (pool, prefix)
@@ -223,6 +310,8 @@ class NativeUpstream(Upstream):
             raise UpstreamTimeout("connect") from None
         except ConnectionLost:
             raise UpstreamFailure("reset") from None
+        except InvalidResponse as exc:
+            raise UpstreamInvalid(exc.reason) from None
 
         async def raw() -> AsyncIterator[bytes]:
             try:
@@ -230,51 +319,25 @@ class NativeUpstream(Upstream):
                     yield chunk
             except ConnectionLost:
                 raise UpstreamFailure("reset") from None
+            except InvalidResponse as exc:
+                raise UpstreamInvalid(exc.reason) from None
 
-        headers_out = [(k, v) for k, v in resp.headers if k in FORWARD_RESPONSE_HEADERS]
-        return UpstreamResponse(resp.status, headers_out, lambda: self._bounded(raw()), resp.aclose)
+        headers_out = []
+        declared = None
+        for k, v in resp.headers:
+            if k in FORWARD_RESPONSE_HEADERS:
+                headers_out.append((k, v))
+            elif k == b"content-length":
+                declared = _declared_length(v)
+        return UpstreamResponse(resp.status, headers_out, lambda: self._bounded(raw()), resp.aclose, declared, self.limits.max_line_bytes)
 
     async def aclose(self) -> None:
         for pool in self._pools.values():
             pool.close()
 
 
-class HttpxUpstream(Upstream):
-    def __init__(self, client: httpx.AsyncClient, timeouts: TimeoutsConfig):
-        super().__init__(timeouts)
-        self.client = client
-
-    async def _send(self, url: str, payload: bytes, headers: list[tuple[bytes, bytes]]) -> UpstreamResponse:
-        request = self.client.build_request("POST", url, content=payload, headers=headers)
-        try:
-            resp = await self.client.send(request, stream=True)
-        except httpx.ConnectError:
-            raise UpstreamFailure("connect_refused") from None
-        except httpx.ConnectTimeout as exc:
-            # The aiohttp transport maps every ClientConnectionError here; only a real timeout is one.
-            cause = exc.__cause__
-            if cause is None or isinstance(cause, (aiohttp.ServerTimeoutError, asyncio.TimeoutError)):
-                raise UpstreamTimeout("connect") from None
-            raise UpstreamFailure("connect_refused" if isinstance(cause, aiohttp.ClientConnectorError) else "reset") from None
-        except httpx.TransportError:
-            raise UpstreamFailure("reset") from None
-
-        async def raw() -> AsyncIterator[bytes]:
-            try:
-                async for chunk in resp.aiter_raw():
-                    yield chunk
-            except httpx.TransportError:
-                raise UpstreamFailure("reset") from None
-
-        headers_out = [(k.lower(), v) for k, v in resp.headers.raw if k.lower() in FORWARD_RESPONSE_HEADERS]
-        return UpstreamResponse(resp.status_code, headers_out, lambda: self._bounded(raw()), resp.aclose)
-
-    async def aclose(self) -> None:
-        await self.client.aclose()
-
-
 def make_client(timeouts: TimeoutsConfig, max_connections: int = 256, transport_name: str = "httpx-aiohttp") -> httpx.AsyncClient:
-    """An httpx client (health checks, metrics scraping, and the httpx transports above)."""
+    """The control-plane httpx client (health checks, metrics scraping, model discovery)."""
     limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections, keepalive_expiry=_KEEPALIVE)
     common = dict(
         timeout=httpx.Timeout(connect=timeouts.connect, read=None, write=None, pool=timeouts.connect),
@@ -293,9 +356,9 @@ def make_client(timeouts: TimeoutsConfig, max_connections: int = 256, transport_
     return httpx.AsyncClient(transport=transport, **common)  # type: ignore[arg-type]
 
 
-def make_upstream(transport: str, timeouts: TimeoutsConfig, max_connections: int) -> Upstream:
+def make_upstream(transport: str, timeouts: TimeoutsConfig, max_connections: int, limits: UpstreamConfig | None = None) -> Upstream:
     if transport == "native":
-        return NativeUpstream(timeouts)
+        return NativeUpstream(timeouts, limits)
     if transport == "aiohttp":
-        return AiohttpUpstream(timeouts, max_connections)
-    return HttpxUpstream(make_client(timeouts, max_connections, transport), timeouts)
+        return AiohttpUpstream(timeouts, max_connections, limits)
+    raise ValueError(f"unknown upstream transport {transport!r}; valid: {', '.join(TRANSPORTS)}")

@@ -2,7 +2,7 @@
 
 Layers, bottom to top (a module may import its own layer and the ones below):
 
-    0 base      errors, routes, responses, metrics, config/, logs, tracing, _compat
+    0 base      errors, routes, responses, metrics, config/, media/, logs, tracing, _compat
     1 filters   filters/
     2 routing   routing/, upstream, h1, local_routes   (the terminal filters and what they call)
     3 listener  listener, admin/
@@ -39,7 +39,7 @@ LAYERS: list[tuple[str, int]] = [
     ("gateway.tracing", 0),
     ("gateway._compat", 0),
     ("gateway.filters", 1),
-    ("gateway.media", 1),
+    ("gateway.media", 0),  # the media rules config stores parsed; imports nothing of the gateway
     ("gateway.state", 1),
     ("gateway.routing", 2),
     ("gateway.upstream", 2),

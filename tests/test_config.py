@@ -41,7 +41,7 @@ def test_every_problem_is_reported_at_once_word_for_word():
     }
     assert problems(data) == [
         "server.log_level: ' LOUD ' is not a valid choice; choose one of: critical, error, warning, info, debug",
-        "server.prot: unknown field (did you mean 'port'?); valid fields: access_log, host, log_level, port",
+        "server.prot: unknown field (did you mean 'port'?); valid fields: access_log, cors, host, log_level, port",
         "backends[0].url: 'ftp://x' must start with http:// or https://",
         "backends[1].url: 'http://h:1/v1' must be a base URL with no path, query or fragment",
         "limits.max_body_bytes: expected an integer, got 'big'",
@@ -57,7 +57,7 @@ def test_enum_values_are_normalised_before_checking():
 
 def test_unknown_top_level_section_gets_a_did_you_mean():
     assert problems({**GOOD, "backend": []}) == [
-        "backend: unknown field (did you mean 'backends'?); valid fields: auth, backends, balancer, health, launch, limits, media, server, timeouts, upstream"
+        "backend: unknown field (did you mean 'backends'?); valid fields: admin, auth, backends, balancer, health, launch, limits, log, media, server, state, state_dir, timeouts, tracing, upstream"
     ]
 
 

@@ -8,18 +8,23 @@ backend exactly once, carrying the canonical form the policy checked.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import copy
+import ssl
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 import httpx
 import orjson
 import pytest
+import trustme
 
 from gateway.config.core import DEFAULT_DROP_FIELDS
 from gateway.filters.auth import hash_key, new_key
+from gateway.filters.media import MediaPolicy
 from support import GatewayServer, Sim
+from test_media_fetch import PNG, MediaServer, fetcher
 from test_media_policy import (
     CASES,
     D_PNG,
@@ -242,3 +247,54 @@ def test_dns_check_refuses_an_allowed_host_that_resolves_to_loopback(env: Env, k
         assert refused_count("dns_non_global") == before + 1
         r = c.post("/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": D_PNG}]}]})
         assert len(env.forwarded()) == 1, r.text
+
+
+def test_inline_fetch_forwards_only_data_urls(env: Env, keys):
+    """fetch: inline through a real gateway: the backend receives the bytes, never a URL to fetch."""
+    ca = trustme.CA()
+    server = MediaServer(ca)
+    client_ssl = ssl.create_default_context()
+    ca.configure_trust(client_ssl)
+    config = {
+        "auth": {"keys": keys.entries},
+        "backends": [{"url": env.sim.url, "api_key": "backend-secret", "name": "sim"}],
+        "health": {"interval": 0.2, "timeout": 1.0},
+        "media": {"allowed_domains": [f"media.test:{server.port}"], "fetch": "inline"},
+    }
+    try:
+        with GatewayServer(config) as gw, httpx.Client(base_url=gw.url, headers={"authorization": f"Bearer {keys.alice}"}, timeout=20) as c:
+            # the one test-only part: names answered locally and the local server's loopback address let through
+            gw.gateway.asgi().media = MediaPolicy(gw.config.media, fetcher=fetcher(client_ssl))
+            env.sim.clear()
+            url = server.url("/redirect-relative")
+            body = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]}
+            r = c.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            got = env.forwarded()
+            assert len(got) == 1
+            assert got[0]["body"]["messages"][0]["content"][0]["image_url"]["url"] == "data:image/png;base64," + base64.b64encode(PNG).decode()
+            env.sim.clear()
+            r = c.post("/v1/messages", json={"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": server.url("/page.html")}}]}]})
+            assert_refused_in_route_shape(r, "messages", None, "messages[0].content[0].source.url")
+            assert "fetched content is not one of the allowed types" in r.json()["error"]["message"]
+            assert env.forwarded() == []
+    finally:
+        server.stop()
+
+
+def test_inline_fetch_refuses_a_name_that_resolves_to_loopback(env: Env, keys):
+    """The real resolver and the real address check: localhost is allowed by name, refused by address."""
+    config = {
+        "auth": {"keys": keys.entries},
+        "backends": [{"url": env.sim.url, "api_key": "backend-secret", "name": "sim"}],
+        "health": {"interval": 0.2, "timeout": 1.0},
+        "media": {"allowed_domains": ["localhost"], "fetch": "inline", "fetch_timeout": 5},
+    }
+    body = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "https://localhost/a.png"}]}]}
+    with GatewayServer(config) as gw, httpx.Client(base_url=gw.url, headers={"authorization": f"Bearer {keys.alice}"}, timeout=20) as c:
+        env.sim.clear()
+        before = refused_count("dns_non_global")
+        r = c.post("/v1/chat/completions", json=body)
+        assert_refused_in_route_shape(r, "chat", "dns_non_global", "messages[0].content[0].image_url")
+        assert env.forwarded() == []
+        assert refused_count("dns_non_global") == before + 1

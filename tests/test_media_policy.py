@@ -15,11 +15,13 @@ from typing import Any
 
 import pytest
 
-from gateway.config import ApiKeyConfig, AuthConfig, ConfigError, parse_config
+from gateway.config import ApiKeyConfig, ConfigError, parse_config
 from gateway.config.fields import Problems, Section
-from gateway.config.media import MediaConfig, parse_domain_entry, read_media
+from gateway.config.media import MediaConfig, read_media
 from gateway.filters import RequestContext
-from gateway.filters.media import REASONS, DomainSet, MediaPolicy, MediaRefused, is_global_address, parse_media_url
+from gateway.filters.media import MediaPolicy
+from gateway.media import REASONS, DomainSet, MediaRefused, is_global_address, parse_domain_entry, parse_media_url
+from gateway.media.reasons import NETWORK_REASONS
 from gateway.metrics import REGISTRY
 from gateway.routes import ROUTES
 
@@ -42,6 +44,8 @@ MEDIA_CONFIGS: dict[str, dict[str, Any]] = {
     "default": {},
     "small": {"allowed_domains": ["images.example.com"], "max_item_bytes": 1024, "max_request_bytes": 1536, "max_items": 3},
     "imageonly": {"allowed_domains": ["images.example.com"], "part_types": ["text", "image_url", "image", "input_text", "input_image"]},
+    # the opt-outs: magic bytes not checked, unknown part keys dropped instead of refused
+    "lenient": {"allowed_domains": ["images.example.com"], "check_magic": False, "unknown_part_keys": "drop"},
 }
 # The "narrow" API key replaces the gateway's list with its own.
 NARROW_KEY_DOMAINS = ["narrow.example.com", "*.cdn.example.org"]
@@ -57,7 +61,7 @@ ROUTE_PATHS = {
 
 def media_config(name: str) -> MediaConfig:
     problems = Problems()
-    cfg = read_media(Section(copy.deepcopy(MEDIA_CONFIGS[name]), "media", problems), AuthConfig())
+    cfg = read_media(Section(copy.deepcopy(MEDIA_CONFIGS[name]), "media", problems))
     problems.raise_if_any()
     return cfg
 
@@ -155,7 +159,7 @@ class Case:
     body: dict[str, Any]
     expect: str  # "ok" or the refusal reason
     param: str | None = None  # where the refusal points; for "ok" rows, where the canonical form is checked
-    canonical: str | None = None  # the rewritten value at param, for "ok" rows that normalise case
+    canonical: Any = None  # the rewritten value at param, for "ok" rows that normalise case or drop keys
     config: str = "main"
     key: str | None = None  # "narrow": the API key whose media_allowed_domains override the gateway's
     tags: tuple[str, ...] = field(default=())
@@ -164,7 +168,7 @@ class Case:
 CASES: list[Case] = []
 
 
-def ok(id: str, route: str, body: dict[str, Any], *, at: str | None = None, canonical: str | None = None, config: str = "main", key: str | None = None) -> None:
+def ok(id: str, route: str, body: dict[str, Any], *, at: str | None = None, canonical: Any = None, config: str = "main", key: str | None = None) -> None:
     CASES.append(Case(id, route, body, "ok", at, canonical, config, key))
 
 
@@ -260,7 +264,7 @@ ok(
 # accepted: text only
 ok("text only string content", "chat", chat_raw([{"role": "user", "content": "hello"}]))
 ok("text only text parts", "chat", chat_raw([{"role": "user", "content": [{"type": "text", "text": "hi"}]}]))
-ok("text part fields are left alone", "chat", chat_raw([{"role": "user", "content": [{"type": "text", "text": "file:///etc/passwd", "image_url": "x"}]}]))
+ok("text part text is only text", "chat", chat_raw([{"role": "user", "content": [{"type": "text", "text": "file:///etc/passwd"}]}]))
 ok("content null", "chat", chat_raw([{"role": "assistant", "content": None, "tool_calls": []}]))
 ok("messages as a prompt string", "chat", chat_raw("hello"))
 ok("completions text", "completions", completions())
@@ -327,7 +331,8 @@ ok("responses url canonicalised", "responses", resp(r_img("HTTPS://Images.Exampl
 ok("narrow key: its own domain", "chat", chat(img("https://narrow.example.com/a.png")), key="narrow")
 ok("narrow key: shared wildcard", "chat", chat(img("https://x.cdn.example.org/a.png")), key="narrow")
 ok("no domains configured: data URL passes", "chat", chat(img(D_PNG)), config="default")
-ok("no domains configured: magic not checked by default", "chat", chat(img(data_url("image/png", JPEG))), config="default")
+no_url("no domains configured: magic checked by default", data_url("image/png", JPEG), "data_magic_mismatch", config="default")
+ok("magic check off: jpeg bytes declared png pass", "chat", chat(img(data_url("image/png", JPEG))), config="lenient")
 ok("small limits: item at the limit", "chat", chat(img(data_url("image/png", PNG + bytes(1024 - len(PNG))))), config="small")
 ok("image-only part types: image passes", "chat", chat(img(IMG)), config="imageonly")
 
@@ -645,6 +650,32 @@ no("image-only part types: document refused", "messages", anth(a_url(IMG, "docum
 no("image-only part types: input_file refused", "responses", resp({"type": "input_file", "file_url": IMG}), "unknown_part_type", R, config="imageonly")
 
 
+# refused: keys a part type does not define (issue 8.5), and what the drop mode forwards instead
+TEXT_WITH_IMAGE = {"type": "text", "text": "look", "image_url": {"url": "file:///etc/passwd"}}
+no("text part carrying an image_url object", "chat", chat_raw([{"role": "user", "content": [TEXT_WITH_IMAGE]}]), "unexpected_part_field", "messages[0].content[0].image_url")
+no("text part carrying a bare image_url", "chat", chat_raw([{"role": "user", "content": [{"type": "text", "text": "x", "image_url": "x"}]}]), "unexpected_part_field", "messages[0].content[0].image_url")
+no("refusal part with a url", "chat", chat_raw([{"role": "assistant", "content": [{"type": "refusal", "refusal": "no", "url": IMG}]}]), "unexpected_part_field", "messages[0].content[0].url")
+no("text part with cache_control (chat)", "chat", chat({"type": "text", "text": "x", "cache_control": {"type": "ephemeral"}}), "unexpected_part_field", f"{P}.cache_control")
+no("text part text an object", "chat", chat({"type": "text", "text": {"url": IMG}}), "malformed_content", f"{P}.text")
+no("anthropic text block with a source", "messages", anth({"type": "text", "text": "x", "source": {"type": "url", "url": "/etc/passwd"}}), "unexpected_part_field", f"{P}.source")
+no("anthropic tool_use with an image_url", "messages", anth({"type": "tool_use", "id": "t", "name": "f", "input": {}, "image_url": IMG}), "unexpected_part_field", f"{P}.image_url")
+no("anthropic thinking with a url", "messages", anth({"type": "thinking", "thinking": "hm", "signature": "s", "url": IMG}), "unexpected_part_field", f"{P}.url")
+no("anthropic tool_result with a source", "messages", anth({**tool_result(), "source": {"type": "url", "url": IMG}}), "unexpected_part_field", f"{P}.source")
+no("anthropic text inside tool_result with an image_url", "messages", anth(tool_result({"type": "text", "text": "x", "image_url": IMG})), "unexpected_part_field", f"{P}.content[0].image_url")
+no("anthropic system text block with a url", "messages", anth(system=[{"type": "text", "text": "a", "url": IMG}]), "unexpected_part_field", "system[0].url")
+no("anthropic thinking signature a number", "messages", anth({"type": "thinking", "thinking": "hm", "signature": 5}), "malformed_content", f"{P}.signature")
+no("responses input_text with an image_url", "responses", resp({"type": "input_text", "text": "x", "image_url": IMG}), "unexpected_part_field", f"{R}.image_url")
+no("responses output_text with a file_url", "responses", {"model": MODEL, "input": [{"role": "assistant", "content": [{"type": "output_text", "text": "y", "file_url": IMG}]}]}, "unexpected_part_field", "input[0].content[0].file_url")
+no("imageonly: unknown text-part key refused", "chat", chat({"type": "text", "text": "x", "video_url": IMG}), "unexpected_part_field", f"{P}.video_url", config="imageonly")
+ok("drop: text part's image_url object removed", "chat", chat_raw([{"role": "user", "content": [TEXT_WITH_IMAGE]}]), at="messages[0].content[0]", canonical={"type": "text", "text": "look"}, config="lenient")
+ok("drop: processor knob removed", "chat", chat(part("image_url", IMG, max_pixels=10**9)), at=f"{P}.image_url", canonical={"url": IMG}, config="lenient")
+ok("drop: second url beside the media object removed", "chat", chat({**img(IMG), "url": "file:///etc/passwd"}), at=P, canonical=img(IMG), config="lenient")
+ok("drop: anthropic block extra url key removed", "messages", anth({**a_url(IMG), "url": "file:///etc/passwd"}), at=P, canonical=a_url(IMG), config="lenient")
+ok("drop: responses input_text extra key removed", "responses", resp({"type": "input_text", "text": "x", "image_url": IMG}), at=R, canonical={"type": "input_text", "text": "x"}, config="lenient")
+no("drop mode still refuses a bad url", "chat", chat(img("file:///etc/passwd")), "url_scheme_not_allowed", f"{P}.image_url.url", config="lenient")
+no("drop mode still refuses a non-string text", "chat", chat({"type": "text", "text": ["x"]}), "malformed_content", f"{P}.text", config="lenient")
+
+
 # -- running the table ------------------------------------------------------------------------------------------------
 
 _POLICIES: dict[str, MediaPolicy] = {}
@@ -679,11 +710,12 @@ def refused_count(reason: str) -> float:
     return REGISTRY.get_sample_value("gateway_media_refusals_total", {"reason": reason}) or 0.0
 
 
-def test_table_is_large_and_covers_every_reason_but_dns():
+def test_table_is_large_and_covers_every_reason_but_the_network_ones():
     assert len(CASES) > 200
     assert len({c.id for c in CASES}) == len(CASES), "case ids must be unique"
     covered = {c.expect for c in CASES}
-    assert set(REASONS) - covered == {"dns_failed", "dns_non_global"}
+    assert NETWORK_REASONS >= {"dns_failed", "dns_non_global"}  # those are covered by the DNS and fetch tests
+    assert set(REASONS) - covered == NETWORK_REASONS
     assert sum(c.expect == "ok" for c in CASES) > 60
 
 
@@ -850,7 +882,8 @@ def _problems(media: dict[str, Any], keys: list[dict[str, Any]] | None = None) -
 
 def test_config_defaults_allow_only_data_urls():
     cfg = media_config("default")
-    assert cfg.allowed_domains == () and cfg.max_item_bytes == 20 * 1024 * 1024 and not cfg.check_magic and not cfg.resolve_dns
+    assert cfg.allowed_domains == () and cfg.max_item_bytes == 20 * 1024 * 1024 and cfg.check_magic and not cfg.resolve_dns
+    assert cfg.unknown_part_keys == "refuse" and cfg.fetch == "backend"
     assert cfg.mimes("image") == ("image/png", "image/jpeg", "image/webp", "image/gif")
 
 
@@ -876,12 +909,56 @@ def test_config_reads_every_field():
         ({"max_item_bytes": 0}, "media.max_item_bytes: 0 is out of range"),
         ({"max_item_bytes": 100, "max_request_bytes": 10}, "media.max_request_bytes: 10 is smaller than max_item_bytes"),
         ({"resolve_dns": "yes"}, "media.resolve_dns: expected true or false"),
+        ({"unknown_part_keys": "ignore"}, "media.unknown_part_keys: 'ignore' is not a valid choice; choose one of: refuse, drop"),
+        ({"fetch": "inlined"}, "media.fetch: 'inlined' is not a valid choice; choose one of: backend, inline (did you mean 'inline'?)"),
+        ({"fetch_timeout": 0}, "media.fetch_timeout: 0"),
+        ({"fetch_max_redirects": 11}, "media.fetch_max_redirects: 11 is out of range"),
+        ({"fetch_concurrency": 0}, "media.fetch_concurrency: 0 is out of range"),
+        (
+            {"check_magic": False, "fetch": "inline", "mime_types": {"image": ["image/x-icon"]}},
+            "media.mime_types.image[0]: 'image/x-icon' has no known magic-byte signature for image, so fetch: inline cannot verify it",
+        ),
         ({"allowed_domain": ["x.example.com"]}, "media.allowed_domain: unknown field (did you mean 'allowed_domains'?)"),
     ],
 )
 def test_config_problems_name_field_value_and_choices(media: dict[str, Any], fragment: str):
     problems = _problems(media)
     assert any(fragment in p for p in problems), problems
+
+
+def test_config_stores_parsed_domain_sets_for_the_gateway_and_every_key():
+    cfg = parse_config(
+        {
+            "auth": {"keys": [{"name": "k", "hash": "sha256:" + "a" * 64, "media_allowed_domains": ["Narrow.Example.com", "*.cdn.example.org"]}]},
+            "backends": [{"url": "http://127.0.0.1:1"}],
+            "media": {"allowed_domains": ["images.example.com"]},
+        }
+    )
+    key = cfg.auth.keys[0]
+    assert isinstance(key.media_domains, DomainSet) and key.media_allowed_domains == ("narrow.example.com", "*.cdn.example.org")
+    assert isinstance(cfg.media.domains, DomainSet) and cfg.media.domains.texts == ("images.example.com",)
+    policy = MediaPolicy(cfg.media)
+    ctx = context("chat", chat(img(IMG)), key)
+    assert policy.domains_for(ctx) is key.media_domains, "the key's parsed set is used as is, never re-parsed per request"
+    assert policy.check_body(ctx).reason == "domain_not_allowed"
+    assert policy.check_body(context("chat", chat(img("https://narrow.example.com/a.png")), key)) is None
+
+
+def test_a_stored_key_record_carries_the_domain_texts_and_reads_back_parsed():
+    import yaml
+
+    from gateway.state.keys import key_from_record, key_to_record
+
+    key = ApiKeyConfig(name="k", hash="sha256:" + "4" * 64, media_allowed_domains=("narrow.example.com", "*.cdn.example.org"))
+    record = key_to_record(key)
+    assert record["media_allowed_domains"] == ["narrow.example.com", "*.cdn.example.org"] and "media_domains" not in record
+    back = key_from_record(yaml.safe_load(yaml.safe_dump(record)))
+    assert back == key and back.media_domains == key.media_domains and isinstance(back.media_domains, DomainSet)
+
+
+def test_a_key_built_in_code_with_a_bad_entry_fails_loudly():
+    with pytest.raises(ValueError, match="not a number from 1 to 65535"):
+        ApiKeyConfig(name="x", hash="sha256:" + "3" * 64, media_allowed_domains=("images.example.com:0",))
 
 
 def test_config_checks_each_keys_media_domains():
@@ -955,3 +1032,21 @@ def test_refused_carries_reason_strings_only():
     with pytest.raises(MediaRefused) as exc:
         parse_media_url("file:///etc/passwd")
     assert exc.value.reason == "url_scheme_not_allowed" and "passwd" not in exc.value.why
+
+
+def test_media_package_imports_nothing_above_it():
+    """gateway/media/ is a lower layer: config stores its parsed forms and the filter applies them."""
+    import ast
+    from pathlib import Path
+
+    import gateway.media
+
+    root = Path(gateway.media.__file__).parent
+    for path in sorted(root.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        guarded = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and id(node) not in guarded:
+                relative_up = node.level > 1
+                absolute_gateway = node.level == 0 and (node.module or "").startswith("gateway") and not (node.module or "").startswith("gateway.media")
+                assert not relative_up and not absolute_gateway, f"{path.name} imports {'.' * node.level}{node.module}"

@@ -23,7 +23,7 @@ import yarl
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from gateway.filters.media import MediaRefused, parse_media_url
+from gateway.media import MediaRefused, parse_media_url
 from test_media_policy import FLAC, JPEG, MP4, NPY, PDF, PNG, WAV, context, media_config, policy_for
 
 MAIN = media_config("main")
@@ -449,3 +449,86 @@ def test_arbitrary_json_never_crashes_the_policy(route: str, body: dict[str, Any
     if refusal is None:
         for kind, src, params in fetched(route, forwarded):
             assert violation(src, kind) is None, src
+
+
+# -- only known keys of each part type are forwarded (issue 8.5) ----------------------------------------------------------
+
+# An independent reading of the APIs' part shapes (OpenAI chat and Responses, Anthropic Messages).
+PART_KEYS = {
+    "chat": {"text": {"type", "text"}, "refusal": {"type", "refusal"}},
+    "anthropic": {
+        "text": {"type", "text", "cache_control", "citations"},
+        "thinking": {"type", "thinking", "signature"},
+        "redacted_thinking": {"type", "data"},
+        "tool_use": {"type", "id", "name", "input", "cache_control"},
+        "tool_result": {"type", "tool_use_id", "content", "is_error", "cache_control"},
+        "image": {"type", "source", "cache_control"},
+        "document": {"type", "source", "cache_control", "title", "context", "citations"},
+    },
+    "responses": {
+        "input_text": {"type", "text"},
+        "output_text": {"type", "text", "annotations", "logprobs"},
+        "text": {"type", "text"},
+        "refusal": {"type", "refusal"},
+        "input_image": {"type", "image_url", "file_id", "detail"},
+        "input_file": {"type", "file_data", "file_url", "file_id", "filename"},
+    },
+}
+STRAY = st.sampled_from(["image_url", "url", "source", "image", "video_url", "data", "file_url", "x"])
+
+
+def parts_of(route: str, body: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(family, part) for every content part the backend would read, nested ones included."""
+    out: list[tuple[str, dict[str, Any]]] = []
+
+    def walk(family: str, parts: Any) -> None:
+        for p in parts if isinstance(parts, list) else []:
+            if isinstance(p, dict):
+                out.append((family, p))
+                if family == "anthropic":
+                    walk(family, p.get("content"))
+                    src = p.get("source")
+                    if isinstance(src, dict):
+                        walk(family, src.get("content"))
+
+    family = {"chat": "chat", "messages": "anthropic", "count_tokens": "anthropic", "responses": "responses"}.get(route)
+    if family == "responses":
+        for item in body.get("input") or []:
+            if isinstance(item, dict):
+                walk(family, item.get("content"))
+                walk(family, item.get("output"))
+    elif family is not None:
+        walk(family, body.get("system"))
+        for m in body.get("messages") or []:
+            if isinstance(m, dict):
+                walk(family, m.get("content"))
+    return out
+
+
+@st.composite
+def request_with_stray_keys(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
+    route, body = draw(request(friendly_urls))
+    for _, part in parts_of(route, body):
+        if draw(st.integers(0, 3)) == 0:
+            part[draw(STRAY)] = draw(st.one_of(friendly_urls, st.just({"url": "file:///etc/passwd"})))
+    return route, body
+
+
+@settings(PROFILE, max_examples=500)
+@given(request_with_stray_keys(), st.sampled_from(["main", "lenient"]))
+def test_only_known_part_keys_are_forwarded(req: tuple[str, dict[str, Any]], config: str):
+    route, body = req
+    forwarded = copy.deepcopy(body)
+    refusal = policy_for(config).check_body(context(route, forwarded))
+    if refusal is not None:
+        event(f"{config} refused: {refusal.reason}")
+        return
+    event(f"{config} accepted")
+    for family, part in parts_of(route, forwarded):
+        known = PART_KEYS[family].get(part.get("type"))
+        if known is not None:
+            assert set(part) <= known, f"forwarded {sorted(set(part) - known)} in a {family} {part.get('type')} part"
+        elif family == "chat" and part.get("type") in LMDEPLOY_TYPES:
+            t = part["type"]
+            extra = set(part) - {"type", t}
+            assert not extra or (isinstance(part[t], str) and extra <= PARAMS[LMDEPLOY_TYPES[t]]), part

@@ -14,7 +14,7 @@ from support import gateway_with_sims
 MODEL = "test-model"
 
 
-@pytest.fixture(scope="module", params=["native", "aiohttp", "httpx-aiohttp", "httpx"])
+@pytest.fixture(scope="module", params=["native", "aiohttp"])
 def setup(request, keys):
     # round_robin: every test can count on both backends being picked
     with gateway_with_sims(keys, 2, upstream={"transport": request.param}, balancer={"policy": "round_robin"}) as (gw, sims):

@@ -35,8 +35,26 @@ from .core import (
 from .fields import ConfigError, Problems, Section, expand_env
 from .launch import LaunchGroup, read_launch
 from .media import MediaConfig, read_media
+from .state import StateConfig, read_state
+from .operate import (
+    DEFAULT_STATE_DIR,
+    AdminConfig,
+    CorsConfig,
+    DiscoverConfig,
+    LogConfig,
+    TracingConfig,
+    read_admin,
+    read_discovery,
+    read_log,
+    read_tracing,
+)
 
 __all__ = [
+    "AdminConfig",
+    "CorsConfig",
+    "DiscoverConfig",
+    "LogConfig",
+    "TracingConfig",
     "ApiKeyConfig",
     "AuthConfig",
     "BackendConfig",
@@ -48,6 +66,7 @@ __all__ = [
     "LimitsConfig",
     "MediaConfig",
     "ServerConfig",
+    "StateConfig",
     "TimeoutsConfig",
     "UpstreamConfig",
     "load_config",
@@ -67,6 +86,12 @@ class GatewayConfig:
     upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
     balancer: BalancerConfig = field(default_factory=BalancerConfig)
     media: MediaConfig = field(default_factory=MediaConfig)
+    state: StateConfig = field(default_factory=StateConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    admin: AdminConfig = field(default_factory=AdminConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
+    discover: tuple[DiscoverConfig, ...] = ()
+    state_dir: str = DEFAULT_STATE_DIR  # launched instances' logs go under it; must be writable
     source: str = "<memory>"
 
 
@@ -85,9 +110,15 @@ def parse_config(data: Any, *, base_dir: Path | None = None, env: dict[str, str]
     health = read_health(root.section("health"))
     upstream = read_upstream(root.section("upstream"))
     balancer = read_balancer(root.section("balancer"))
-    media = read_media(root.section("media"), auth)
+    media = read_media(root.section("media"))
+    state = read_state(root.section("state"))
+    log = read_log(root.section("log"))
+    admin = read_admin(root.section("admin"), root.has("admin"))
+    tracing = read_tracing(root.section("tracing"))
+    discover = read_discovery(root)
+    state_dir = root.str("state_dir", DEFAULT_STATE_DIR)
     root.finish()
-    if server is not None and not backends and not launch and not problems:
+    if server is not None and not backends and not launch and not discover and not problems:
         problems.add("backends", "no backends: configure `backends` (URLs) or `launch` (instances to start)")
     problems.raise_if_any()
     return GatewayConfig(
@@ -101,6 +132,12 @@ def parse_config(data: Any, *, base_dir: Path | None = None, env: dict[str, str]
         upstream=upstream,
         balancer=balancer,
         media=media,
+        state=state,
+        log=log,
+        admin=admin,
+        tracing=tracing,
+        discover=discover,
+        state_dir=state_dir,
         source=source,
     )
 

@@ -5,11 +5,15 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import yaml
 
-from .fields import Section
+from ..media.url import DomainSet
+from .fields import ConfigError, Problems, Section
+from .media import read_domain_set
+from .operate import CorsConfig, read_cors
 from .balancer import DEFAULT_PRIORITY, parse_priority
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -27,6 +31,8 @@ DEFAULT_DROP_FIELDS = (
 )
 
 _HASH = re.compile(r"^sha256:[0-9a-f]{64}$")
+KEY_NAME = re.compile(r"^[A-Za-z0-9._@-]{1,64}$")
+BUDGET_PERIODS = ("day", "month", "total")
 
 
 @dataclass(frozen=True)
@@ -35,6 +41,7 @@ class ServerConfig:
     port: int = 8080
     log_level: str = "info"
     access_log: bool = False
+    cors: CorsConfig = CorsConfig()
 
 
 @dataclass(frozen=True)
@@ -45,13 +52,34 @@ class ApiKeyConfig:
     media_allowed_domains: tuple[str, ...] | None = None  # None: the gateway's media policy
     rate_limit_rpm: int | None = None
     admin: bool = False  # may read the gateway's /metrics
+    rate_limit_tpm: int | None = None  # prompt + completion tokens per minute
+    max_concurrent: int | None = None  # requests in flight at once, over every replica
+    budget_tokens: int | None = None  # tokens per budget_period; then 429 insufficient_quota
+    budget_period: str = "month"  # day | month | total
+    expires_at: float | None = None  # unix time; refused from then on
+    disabled: bool = False  # revoked: kept for the record, refused
+    created_at: float | None = None
     priority: int = DEFAULT_PRIORITY  # queue class: interactive (10), batch (0) or 0-100; higher is served first
+    if TYPE_CHECKING:
+        media_domains: DomainSet | None  # set by __post_init__; not a field, so records carry the texts only
+
+    def __post_init__(self) -> None:
+        # media_allowed_domains parsed once, when the key is made (gateway/media/url.py); a bad entry raises
+        # ValueError here (config loading has reported it with its field by then).
+        domains = DomainSet.parse(self.media_allowed_domains) if self.media_allowed_domains is not None else None
+        object.__setattr__(self, "media_domains", domains)
+
+    @property
+    def limited(self) -> bool:
+        return bool(self.rate_limit_rpm or self.rate_limit_tpm or self.max_concurrent or self.budget_tokens)
 
 
 @dataclass(frozen=True)
 class AuthConfig:
     disabled: bool = False
-    keys: tuple[ApiKeyConfig, ...] = ()
+    keys: tuple[ApiKeyConfig, ...] = ()  # inline keys and the keys file's, together
+    keys_file: str | None = None  # resolved path: reloaded on SIGHUP and when it changes
+    inline_keys: tuple[ApiKeyConfig, ...] = ()  # the ones written in the config itself
 
 
 @dataclass(frozen=True)
@@ -66,6 +94,8 @@ class BackendConfig:
 class LimitsConfig:
     max_body_bytes: int = 32 * 1024 * 1024
     max_json_depth: int = 32
+    max_json_values: int = 1_000_000  # Python objects cost 10x+ their JSON text: cap them before parsing
+    max_upload_bytes_per_key: int = 128 * 1024 * 1024  # request bodies being received at once, per key
     drop_fields: tuple[str, ...] = DEFAULT_DROP_FIELDS
 
 
@@ -81,6 +111,11 @@ class TimeoutsConfig:
 class UpstreamConfig:
     transport: str = "native"  # see gateway/upstream.py; the others are there to be measured against
     max_connections: int = 4096
+    # Backends are untrusted: what they send back is bounded (gateway/upstream.py).
+    max_response_bytes: int = 64 * 1024 * 1024  # a whole (non-streamed) response body
+    max_header_bytes: int = 64 * 1024  # status line and headers together
+    max_headers: int = 100
+    max_line_bytes: int = 4 * 1024 * 1024  # a streamed response: bytes without a newline
 
 
 @dataclass(frozen=True)
@@ -98,6 +133,7 @@ def read_server(s: Section) -> ServerConfig:
         port=s.int("port", d.port, min=0, max=65535),
         log_level=s.enum("log_level", LOG_LEVELS, d.log_level),
         access_log=s.bool("access_log", d.access_log),
+        cors=read_cors(s.section("cors")),
     )
     s.finish()
     return cfg
@@ -108,13 +144,26 @@ def _read_key(s: Section, index: int) -> ApiKeyConfig | None:
     digest = s.str("hash")
     models = s.str_list("models", None)
     media = s.str_list("media_allowed_domains", None)
+    media_domains = None
+    if media is not None:
+        owner = f" (key {name!r})"
+        media_domains = read_domain_set(media, lambda j: f"{s.where('media_allowed_domains')}[{j}]", s, owner)
     rpm = s.int("rate_limit_rpm", None, min=1)
     admin = s.bool("admin", False)
     priority = parse_priority(s.raw("priority", DEFAULT_PRIORITY))
     if isinstance(priority, str):
         s.error("priority", priority)
         priority = DEFAULT_PRIORITY
+    tpm = s.int("rate_limit_tpm", None, min=1)
+    concurrent = s.int("max_concurrent", None, min=1, max=1_000_000)
+    budget = s.int("budget_tokens", None, min=1)
+    period = s.enum("budget_period", BUDGET_PERIODS, "month")
+    expires = s.number("expires_at", None, min=0)
+    disabled = s.bool("disabled", False)
+    created = s.number("created_at", None, min=0)
     s.finish()
+    if not KEY_NAME.match(name):
+        s.error("name", f"{name[:40]!r} is not a valid key name; use 1-64 letters, digits, '.', '_', '-' or '@'")
     if digest is None:
         return None
     norm = digest.strip().lower()
@@ -128,9 +177,16 @@ def _read_key(s: Section, index: int) -> ApiKeyConfig | None:
         name=name,
         hash=norm,
         models=tuple(models) if models is not None else None,
-        media_allowed_domains=tuple(media) if media is not None else None,
+        media_allowed_domains=media_domains.texts if media_domains is not None else None,
         rate_limit_rpm=rpm,
         admin=admin,
+        rate_limit_tpm=tpm,
+        max_concurrent=concurrent,
+        budget_tokens=budget,
+        budget_period=period,
+        expires_at=expires,
+        disabled=disabled,
+        created_at=created,
         priority=priority,
     )
 
@@ -139,7 +195,9 @@ def read_auth(s: Section, base_dir: Path) -> AuthConfig:
     disabled = s.bool("disabled", False)
     entries = s.sections("keys")
     keys = [k for i, sub in enumerate(entries) if (k := _read_key(sub, i)) is not None]
+    inline = tuple(keys)
     keys_file = s.str("keys_file", None)
+    path = None
     if keys_file is not None:
         path = Path(keys_file)
         if not path.is_absolute():
@@ -169,7 +227,30 @@ def read_auth(s: Section, base_dir: Path) -> AuthConfig:
             "auth",
             "no API keys configured; add one with `gateway keys create`, or set `auth: {disabled: true}` to run without authentication",
         )
-    return AuthConfig(disabled=bool(disabled), keys=tuple(keys))
+    return AuthConfig(disabled=bool(disabled), keys=tuple(keys), keys_file=str(path) if path is not None else None, inline_keys=inline)
+
+
+def read_key_entry(data: object, where: str = "key") -> ApiKeyConfig:
+    """One key record (from the store or a file), validated as the config's keys are."""
+    problems = Problems()
+    key = _read_key(Section(data, where, problems), 0)
+    problems.raise_if_any()
+    assert key is not None
+    return key
+
+
+def read_keys_file(path: str) -> tuple[ApiKeyConfig, ...]:
+    """The keys of a keys file alone, validated as at start-up (used to reload it)."""
+    problems = Problems()
+    try:
+        loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError([f"{path}: cannot read ({exc.__class__.__name__})"]) from None
+    sub = Section(loaded, path, problems)
+    keys = [k for i, ks in enumerate(sub.sections("keys")) if (k := _read_key(ks, i)) is not None]
+    sub.finish()
+    problems.raise_if_any()
+    return tuple(keys)
 
 
 def validate_backend_url(value: str, s: Section, key: str) -> str | None:
@@ -199,6 +280,8 @@ def read_backends(root: Section) -> tuple[BackendConfig, ...]:
     out = []
     seen = set()
     for sub in root.sections("backends"):
+        if sub.has("discover"):  # read by config.operate.read_discovery
+            continue
         url = sub.str("url")
         api_key = sub.str("api_key", None)
         models = sub.str_list("models", None)
@@ -222,6 +305,8 @@ def read_limits(s: Section) -> LimitsConfig:
     cfg = LimitsConfig(
         max_body_bytes=s.int("max_body_bytes", d.max_body_bytes, min=1024, max=1 << 31),
         max_json_depth=s.int("max_json_depth", d.max_json_depth, min=4, max=512),
+        max_json_values=s.int("max_json_values", d.max_json_values, min=1000, max=100_000_000),
+        max_upload_bytes_per_key=s.int("max_upload_bytes_per_key", d.max_upload_bytes_per_key, min=1024, max=1 << 40),
         drop_fields=tuple(s.str_list("drop_fields", d.drop_fields)),
     )
     s.finish()
@@ -253,7 +338,7 @@ def read_health(s: Section) -> HealthConfig:
 
 
 
-TRANSPORTS = ("native", "aiohttp", "httpx-aiohttp", "httpx")
+TRANSPORTS = ("native", "aiohttp")  # gateway/upstream.py says why the httpx ones were dropped
 
 
 def read_upstream(s: Section) -> UpstreamConfig:
@@ -261,6 +346,10 @@ def read_upstream(s: Section) -> UpstreamConfig:
     cfg = UpstreamConfig(
         transport=s.enum("transport", TRANSPORTS, d.transport),
         max_connections=s.int("max_connections", d.max_connections, min=1, max=1 << 20),
+        max_response_bytes=s.int("max_response_bytes", d.max_response_bytes, min=1024, max=1 << 34),
+        max_header_bytes=s.int("max_header_bytes", d.max_header_bytes, min=1024, max=1 << 24),
+        max_headers=s.int("max_headers", d.max_headers, min=8, max=10000),
+        max_line_bytes=s.int("max_line_bytes", d.max_line_bytes, min=1024, max=1 << 30),
     )
     s.finish()
     return cfg

@@ -18,7 +18,7 @@ from ..routes import Route
 class RequestContext:
     """What the filters know about one request, filled in as it moves down the chain."""
 
-    __slots__ = ("scope", "route", "headers", "key", "body", "model", "style")
+    __slots__ = ("scope", "route", "headers", "key", "body", "model", "style", "admission", "request_id", "backend", "outcome", "refusal", "span")
 
     def __init__(self, scope: dict[str, Any], route: Route, headers: dict[bytes, bytes]):
         self.scope = scope
@@ -28,6 +28,13 @@ class RequestContext:
         self.body: dict[str, Any] | None = None
         self.model: str | None = None
         self.style = route.style
+        self.admission: Any = None  # the state layer's Admission, while limits and usage apply
+        # Filled in on the way for the access log and the trace: never the body or the key.
+        self.request_id = ""
+        self.backend: str | None = None  # the backend that answered (the last one tried)
+        self.outcome: Any = None  # the router's Outcome of that attempt: TTFB, token counts
+        self.refusal: str | None = None  # the reason of the refusal the client got, if any
+        self.span: Any = None  # the request's trace span, when tracing is on
 
 
 class HeaderFilter(Protocol):

@@ -1,6 +1,8 @@
 """API-key authentication, decided from the headers alone before any body byte is read.
 
-Keys are stored as ``sha256:<hex>`` digests. A presented key is hashed and looked up; the
+Keys are stored as ``sha256:<hex>`` digests and read from the state layer's local cache (config
+keys, the keys file, and the shared store's keys, kept current by pub/sub), never per request
+from the store itself. A presented key is hashed and looked up; the
 lookup is by digest, so its timing says nothing about any stored key, and the final equality is
 ``hmac.compare_digest``. Logs and metrics name a key by its configured name and a short id
 derived from the digest, never by the key itself.
@@ -11,9 +13,11 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+import time
 
 from ..config import ApiKeyConfig, AuthConfig
 from ..errors import Refusal
+from ..state.keys import KeyCache
 from . import RequestContext
 
 _MISSING = Refusal(
@@ -56,13 +60,15 @@ def new_key() -> str:
     return KEY_PREFIX + secrets.token_urlsafe(32)
 
 
+_EXPIRED = Refusal(401, "This API key has expired.", "expired_api_key", code="invalid_api_key", headers=((b"www-authenticate", b"Bearer"),))
+
+
 class ApiKeyAuth:
-    def __init__(self, cfg: AuthConfig):
+    """Looks keys up in the state layer's local cache (``KeyCache``): no I/O per request."""
+
+    def __init__(self, cfg: AuthConfig, keys: KeyCache | None = None):
         self.disabled = cfg.disabled
-        self._by_digest: dict[bytes, tuple[bytes, ApiKeyConfig]] = {}
-        for k in cfg.keys:
-            d = bytes.fromhex(k.hash.removeprefix("sha256:"))
-            self._by_digest[d] = (d, k)
+        self.keys = keys if keys is not None else KeyCache(cfg.keys)
 
     def check(self, ctx: RequestContext) -> Refusal | None:
         if self.disabled or not ctx.route.auth:
@@ -90,10 +96,14 @@ class ApiKeyAuth:
         if not token or len(token) > _MAX_KEY_LEN:
             return _INVALID
         digest = hashlib.sha256(token).digest()
-        found = self._by_digest.get(digest)
-        if found is None or not hmac.compare_digest(found[0], digest):
+        found = self.keys.lookup(digest)
+        if found is None or not hmac.compare_digest(bytes.fromhex(found.hash[7:]), digest):
             return _INVALID
-        ctx.key = found[1]
+        if found.disabled:
+            return _INVALID  # a revoked key reads as any unknown key
+        if found.expires_at is not None and time.time() >= found.expires_at:
+            return _EXPIRED
+        ctx.key = found
         return None
 
 

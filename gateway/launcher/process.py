@@ -50,8 +50,13 @@ def port_is_free(port: int) -> bool:
     return True
 
 
-async def spawn(argv: Sequence[str], env: dict[str, str], log_path: Path, *, grace: float = 10.0) -> asyncio.subprocess.Process:
-    """Start ``argv`` under the guard, in a new session, with stdout and stderr appended to log_path."""
+async def spawn(
+    argv: Sequence[str], env: dict[str, str], log_path: Path, *, grace: float = 10.0, pass_fds: Sequence[int] = ()
+) -> asyncio.subprocess.Process:
+    """Start ``argv`` under the guard, in a new session, with stdout and stderr appended to log_path.
+
+    ``pass_fds`` (the key pipe) are inherited by the guard and, through its exec, by the server.
+    """
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)  # the api_server may log its key
     try:
         return await asyncio.create_subprocess_exec(
@@ -68,6 +73,7 @@ async def spawn(argv: Sequence[str], env: dict[str, str], log_path: Path, *, gra
             env=env,
             start_new_session=True,
             close_fds=True,
+            pass_fds=tuple(pass_fds),
         )
     finally:
         os.close(fd)

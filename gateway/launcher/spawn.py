@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -17,6 +18,9 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from ..config.launch import QUANT_NAMES, VISIBLE_DEVICES_ENV, LaunchGroup
+from . import shim
+
+SHIM = str(Path(shim.__file__).resolve())
 
 LOOPBACK = "127.0.0.1"
 
@@ -139,9 +143,15 @@ def _choose_devices(group: LaunchGroup, visible: tuple[str, ...] | None, seen: s
 
 # -- argv and environment ------------------------------------------------------------------------------
 def lmdeploy_argv(plan: GroupPlan, port: int, api_key: str) -> list[str]:
-    """``lmdeploy serve api_server MODEL ...`` for one instance, bound to loopback."""
+    """``lmdeploy serve api_server MODEL ... --api-keys KEY``: what lmdeploy's parser reads (in-process, see shim.py)."""
+    # Last, so no nargs option in extra_args can swallow it.
+    return [*plan.command, *lmdeploy_args(plan, port), "--api-keys", api_key]
+
+
+def lmdeploy_args(plan: GroupPlan, port: int) -> list[str]:
+    """The arguments after the command, bound to loopback; the key is added by the shim."""
     g = plan.group
-    argv = [*plan.command, "serve", "api_server", g.model, "--server-name", LOOPBACK, "--server-port", str(port)]
+    argv = ["serve", "api_server", g.model, "--server-name", LOOPBACK, "--server-port", str(port)]
     argv += ["--model-name", g.served_name, "--backend", g.backend, "--tp", str(g.tp)]
     if g.backend == "pytorch":
         argv += ["--device", g.device]  # TurboMind ignores it
@@ -162,16 +172,17 @@ def lmdeploy_argv(plan: GroupPlan, port: int, api_key: str) -> list[str]:
     if g.eager_mode:
         argv.append("--eager-mode")
     argv += g.extra_args
-    # Last, so no nargs option in extra_args can swallow it. The key is visible in /proc/PID/cmdline
-    # to local users: api_server reads it only from argv. It is per gateway start and loopback-only.
-    argv += ["--api-keys", api_key]
     return argv
 
 
 def sim_argv(plan: GroupPlan, port: int, api_key: str) -> list[str]:
-    """The simulated api_server, given its key in argv like lmdeploy (same exposure, same code path)."""
+    """The simulated api_server's argv as its parser reads it: the key like lmdeploy's (same code path)."""
+    return [sys.executable, "-m", "gateway.sim", *sim_args(plan, port), "--api-keys", api_key]
+
+
+def sim_args(plan: GroupPlan, port: int) -> list[str]:
     g = plan.group
-    argv = [sys.executable, "-m", "gateway.sim", "--host", LOOPBACK, "--port", str(port), "--model", g.served_name]
+    argv = ["--host", LOOPBACK, "--port", str(port), "--model", g.served_name]
     argv += ["--backend", g.backend]
     if g.max_batch_size is not None:
         argv += ["--max-batch-size", str(g.max_batch_size)]
@@ -179,12 +190,52 @@ def sim_argv(plan: GroupPlan, port: int, api_key: str) -> list[str]:
         argv += ["--session-len", str(g.session_len)]
     for name, value in g.sim:
         argv += [f"--{name.replace('_', '-')}", f"{value:g}" if isinstance(value, float) else str(value)]
-    argv += ["--api-keys", api_key]
     return argv
 
 
 def instance_argv(plan: GroupPlan, port: int, api_key: str) -> list[str]:
     return lmdeploy_argv(plan, port, api_key) if plan.engine == "lmdeploy" else sim_argv(plan, port, api_key)
+
+
+def python_of(executable: str, env: Mapping[str, str] | None = None) -> str | None:
+    """The interpreter of a Python console script (from its ``#!`` line), or None if it is not one."""
+    try:
+        with open(executable, "rb") as f:
+            first = f.readline(512)
+    except OSError:
+        return None
+    if not first.startswith(b"#!"):
+        return None
+    words = first[2:].decode("utf-8", errors="replace").split()
+    if not words:
+        return None
+    interp = words[0]
+    if os.path.basename(interp) == "env":
+        names = [w for w in words[1:] if not w.startswith("-")]
+        found = shutil.which(names[0], path=(os.environ if env is None else env).get("PATH")) if names else None
+        if found is None:
+            return None
+        interp = found
+    return interp if "python" in os.path.basename(interp) else None
+
+
+def launch_argv(plan: GroupPlan, port: int, key_fd: int, env: Mapping[str, str] | None = None) -> list[str]:
+    """What is exec'd: the key shim, which reads the key from ``key_fd`` and runs the server in-process.
+
+    The key is in no process's argv (``/proc/PID/cmdline`` is readable by every local user).
+    """
+    if plan.engine == "sim":
+        return [sys.executable, SHIM, "--key-fd", str(key_fd), "--module", "gateway.sim", "--", *sim_args(plan, port)]
+    command, args = plan.command, lmdeploy_args(plan, port)
+    if len(command) == 3 and command[1] == "-m":
+        return [command[0], SHIM, "--key-fd", str(key_fd), "--module", command[2], "--", *args]
+    interp = python_of(command[0], env) if len(command) == 1 else None
+    if interp is None:
+        raise LaunchError(
+            f"{plan.group.label}: {shlex.join(command)} is not a Python script; the internal key can only be handed to "
+            "lmdeploy in-process (never in its command line). Point `executable` at lmdeploy's console script or its Python"
+        )
+    return [interp, SHIM, "--key-fd", str(key_fd), "--script", command[0], "--", *args]
 
 
 def instance_env(plan: GroupPlan, devices: Sequence[str], base: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -36,6 +36,7 @@ from .spawn import (
     LaunchError,
     instance_argv,
     instance_env,
+    launch_argv,
     plan_group,
     probe_devices,
     probe_lmdeploy,
@@ -247,7 +248,10 @@ class Launcher:
         previous, elapsed = inst.state, inst.elapsed()
         inst.state, inst.since = state, time.monotonic()
         level = logging.ERROR if state in GIVEN_UP else logging.INFO
-        log.log(level, "instance %s: %s -> %s after %.1fs%s", inst.id, previous, state, elapsed, f" ({detail})" if detail else "")
+        log.log(
+            level, "instance %s: %s -> %s after %.1fs%s", inst.id, previous, state, elapsed, f" ({detail})" if detail else "",
+            extra={"fields": {"event": "instance_state", "instance": inst.id, "from": previous, "to": state, "after_s": round(elapsed, 3), "detail": detail or None}},
+        )
         self._export_state(inst)
 
     # -- one instance -------------------------------------------------------------------------------
@@ -276,7 +280,10 @@ class Launcher:
             inst.error = detail
             g = inst.group
             shown = "\n".join("    " + line for line in tail) or "    (no output)"
-            log.error("instance %s: %s; last lines of %s:\n%s", inst.id, detail, inst.log.path, shown)
+            log.error(
+                "instance %s: %s; last lines of %s:\n%s", inst.id, detail, inst.log.path, shown,
+                extra={"fields": {"event": "instance_failed", "instance": inst.id, "detail": detail, "log": str(inst.log.path)}},
+            )
             if outcome == "spawn_error" or inst.failures > g.max_restarts:
                 if outcome in ("spawn_error", "timeout"):
                     final = "failed"
@@ -299,21 +306,34 @@ class Launcher:
         g = inst.group
         avoid = {i.port for i in self.instances if i is not inst and i.port is not None}
         inst.port = process.pick_port(avoid, prefer=inst.port)
-        argv = instance_argv(inst.plan, inst.port, self.backend_key)
         env = instance_env(inst.plan, inst.devices, self._env)
         inst.health = "unknown"
         self._set_state(inst, "starting")
-        inst.log.begin(f"start {inst.restarts + 1}: " + shlex.join(redact(argv, self.backend_key)))
-        spawning = asyncio.ensure_future(process.spawn(argv, env, inst.log.path, grace=self.stop_grace))
+        # The key travels in a pipe the server inherits (shim.py), never in any argv.
+        key_fd, key_w = os.pipe()
         try:
-            inst.proc = await asyncio.shield(spawning)
-        except asyncio.CancelledError:
-            # Stopping while the fork is under way: keep the process so stop() can end it.
-            inst.proc = await spawning
-            inst.pid = inst.proc.pid
-            raise
-        except OSError as exc:
-            return "spawn_error", f"cannot start {argv[0]!r}: {exc}"
+            os.write(key_w, self.backend_key.encode())
+        finally:
+            os.close(key_w)
+        try:
+            try:
+                argv = launch_argv(inst.plan, inst.port, key_fd, env)
+            except LaunchError as exc:
+                return "spawn_error", str(exc)
+            shown = redact(instance_argv(inst.plan, inst.port, self.backend_key), self.backend_key)
+            inst.log.begin(f"start {inst.restarts + 1}: " + shlex.join(shown) + " (key from a pipe, through gateway.launcher.shim)")
+            spawning = asyncio.ensure_future(process.spawn(argv, env, inst.log.path, grace=self.stop_grace, pass_fds=(key_fd,)))
+            try:
+                inst.proc = await asyncio.shield(spawning)
+            except asyncio.CancelledError:
+                # Stopping while the fork is under way: keep the process so stop() can end it.
+                inst.proc = await spawning
+                inst.pid = inst.proc.pid
+                raise
+            except OSError as exc:
+                return "spawn_error", f"cannot start {argv[0]!r}: {exc}"
+        finally:
+            os.close(key_fd)  # the child has its own copy
         inst.pid = inst.proc.pid
         inst.spawned_at = time.monotonic()
         exited = asyncio.ensure_future(inst.proc.wait())

@@ -117,6 +117,16 @@ class BackendPool:
         return any(b.available(now) for b in self._backends.values())
 
     # -- state changes -----------------------------------------------------------------------------
+    def set_draining(self, b: Backend, draining: bool) -> None:
+        """A draining backend gets no new requests; those in flight finish."""
+        if b.draining != draining:
+            b.draining = draining
+            log.info(
+                "backend %s %s", b.id, "draining" if draining else "back in rotation",
+                extra={"fields": {"event": "backend_drain", "backend": b.id, "draining": draining}},
+            )
+            self._changed(b)
+
     def set_health(self, b: Backend, healthy: bool, status: str) -> None:
         b.health_status = status
         if b.healthy != healthy:
@@ -124,7 +134,10 @@ class BackendPool:
             if healthy:
                 b.returned_at = time.monotonic()
                 b.consecutive_failures = 0
-            log.info("backend %s is %s (%s)", b.id, "healthy" if healthy else "out of rotation", status)
+            log.info(
+                "backend %s is %s (%s)", b.id, "healthy" if healthy else "out of rotation", status,
+                extra={"fields": {"event": "backend_health", "backend": b.id, "healthy": healthy, "status": status}},
+            )
             self._changed(b)
 
     def report_success(self, b: Backend) -> None:
@@ -139,7 +152,10 @@ class BackendPool:
             b.ejected_until = time.monotonic() + backoff * random.uniform(0.9, 1.1)
             b.returned_at = b.ejected_until  # the balancer ramps it up slowly from then on
             b.consecutive_failures = 0
-            log.warning("backend %s ejected for %.1fs after repeated failures", b.id, backoff)
+            log.warning(
+                "backend %s ejected for %.1fs after repeated failures", b.id, backoff,
+                extra={"fields": {"event": "backend_ejected", "backend": b.id, "seconds": round(backoff, 3), "ejections": b.ejections}},
+            )
             self._changed(b)
 
     def report_unreachable(self, b: Backend) -> None:

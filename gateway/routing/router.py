@@ -5,6 +5,11 @@ Retries are safe only before the client has seen a byte: a refused or reset conn
 a response has started, it is relayed as it is; a stream that breaks ends with an error event.
 The balancer is told about every dispatch exactly once (``completed``), whatever happens,
 including the client going away.
+
+Backends are untrusted: an answer that breaks the protocol or a limit (``UpstreamInvalid``) is a
+502 of our own, and a backend's 5xx body (which may hold a traceback or an internal address) is
+replaced by our own error with the same status; the original goes to the log, truncated and
+escaped.
 """
 
 from __future__ import annotations
@@ -15,10 +20,10 @@ from typing import Any, Awaitable, Callable
 
 import orjson
 
-from .. import metrics
+from .. import metrics, tracing
 from ..errors import Refusal, model_not_found, sse_error_event
 from ..filters import RequestContext
-from ..upstream import Upstream, UpstreamFailure, UpstreamResponse, UpstreamTimeout
+from ..upstream import Upstream, UpstreamFailure, UpstreamInvalid, UpstreamResponse, UpstreamTimeout
 from ..config.balancer import DEFAULT_PRIORITY
 from .policies import Balancer, Outcome, RequestInfo
 from .queue import GatewayQueue
@@ -33,6 +38,21 @@ RETRYABLE_STATUS = (502, 503)
 
 NO_BACKEND = Refusal(503, "No healthy backend is available for this model; try again shortly.", "no_healthy_backend", code="service_unavailable")
 UPSTREAM_FAILED = Refusal(502, "The backend could not be reached.", "upstream_unreachable", code="bad_gateway")
+INVALID_RESPONSE = Refusal(502, "The backend sent an invalid response.", "upstream_invalid_response", code="bad_gateway")
+TOO_LARGE = Refusal(502, "The backend's response was larger than this gateway accepts.", "upstream_response_too_large", code="bad_gateway")
+LOGGED_ERROR_BYTES = 2048  # of a backend's 5xx body, for the operator's log
+
+
+def invalid(exc: UpstreamInvalid) -> Refusal:
+    return TOO_LARGE if exc.reason == "body_too_large" else INVALID_RESPONSE
+
+
+def backend_error(status: int, retry_after: bytes | None) -> Refusal:
+    """Our own error for a backend's 5xx: the status is kept, the backend's words are not."""
+    headers = ((b"retry-after", retry_after),) if retry_after is not None else ()
+    return Refusal(status, f"The backend failed to answer (HTTP {status}).", "upstream_error", code="upstream_error", headers=headers)
+
+
 TIMEOUTS = {
     "connect": Refusal(504, "Timed out connecting to the backend.", "upstream_connect_timeout", code="gateway_timeout"),
     "first_byte": Refusal(504, "The backend did not start answering in time.", "upstream_first_byte_timeout", code="gateway_timeout"),
@@ -79,13 +99,15 @@ class Router:
                 return refusal.status
             if attempt == 0 and self.queue is not None:
                 # The queue binds the request to a backend (picked and dispatched) when one has room.
-                admitted = await self.queue.acquire(req, ctx.key.name if ctx.key else "", ctx.key.priority if ctx.key else DEFAULT_PRIORITY)
+                with tracing.child(ctx, "pick", candidates=len(candidates)):
+                    admitted = await self.queue.acquire(req, ctx.key.name if ctx.key else "", ctx.key.priority if ctx.key else DEFAULT_PRIORITY)
                 if isinstance(admitted, Refusal):
                     await reply(admitted)
                     return admitted.status
                 backend = admitted
             else:
-                backend = self.balancer.pick(candidates, req)
+                with tracing.child(ctx, "pick", candidates=len(candidates)):
+                    backend = self.balancer.pick(candidates, req)
                 self.balancer.dispatched(backend, req)
             last = attempt == attempts - 1
             status = await self._attempt(backend, req, ctx, path, payload, headers, send, reply, last)
@@ -112,12 +134,20 @@ class Router:
         outcome = Outcome(status=0, ok=False)
         try:
             try:
-                response = await self.upstream.open(b.url + path, payload, headers + b.auth_headers())
+                with tracing.upstream_call(ctx, b.id, headers) as traced:
+                    response = await self.upstream.open(b.url + path, payload, traced + b.auth_headers())
             except UpstreamTimeout as exc:
                 self.pool.report_failure(b)
                 metrics.UPSTREAM_ERRORS.labels(backend=b.id, kind=f"{exc.phase}_timeout").inc()
                 await reply(TIMEOUTS[exc.phase])
                 return TIMEOUTS[exc.phase].status
+            except UpstreamInvalid as exc:
+                # Not retried: a misbehaving backend is answered for, not hidden behind another try.
+                self.pool.report_failure(b)
+                metrics.UPSTREAM_ERRORS.labels(backend=b.id, kind=f"invalid_{exc.reason}").inc()
+                log.warning("backend %s sent an invalid response (%s)", b.id, exc.reason)
+                await reply(invalid(exc))
+                return invalid(exc).status
             except UpstreamFailure as exc:
                 kind = exc.kind
                 metrics.UPSTREAM_ERRORS.labels(backend=b.id, kind=kind).inc()
@@ -139,7 +169,9 @@ class Router:
                     self.pool.report_success(b)
                 if response.status in RETRYABLE_STATUS and not last:
                     return None
-                if response.status == 200 and response.is_event_stream:
+                if response.status >= 500:
+                    await self._replace_error(b, response, reply)
+                elif response.status == 200 and response.is_event_stream:
                     await self._relay_stream(b, req, ctx, response, send, start, outcome)
                 else:
                     await self._relay_whole(b, req, ctx.route.kind, response, send, start, outcome, reply)
@@ -147,9 +179,11 @@ class Router:
             finally:
                 await response.aclose()
         finally:
+            ctx.outcome = outcome  # usage, for the state layer's settling
             self.balancer.completed(b, req, outcome)
             if self.queue is not None:
                 self.queue.completed(req.model)
+            ctx.backend, ctx.outcome = b.id, outcome  # for the access log and the trace
 
     async def _relay_whole(
         self,
@@ -168,6 +202,12 @@ class Router:
             self.pool.report_failure(b)
             await reply(TIMEOUTS[exc.phase])
             return
+        except UpstreamInvalid as exc:
+            self.pool.report_failure(b)
+            metrics.UPSTREAM_ERRORS.labels(backend=b.id, kind=f"invalid_{exc.reason}").inc()
+            log.warning("backend %s sent an invalid response (%s)", b.id, exc.reason)
+            await reply(invalid(exc))
+            return
         except UpstreamFailure:
             self.pool.report_failure(b)
             await reply(UPSTREAM_FAILED)
@@ -182,6 +222,19 @@ class Router:
         hdrs.append((b"content-length", str(len(body)).encode()))
         await send({"type": "http.response.start", "status": response.status, "headers": hdrs})
         await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    async def _replace_error(self, b: Backend, response: UpstreamResponse, reply: Callable[[Refusal], Awaitable[None]]) -> None:
+        """A backend 5xx: log (the start of) its body, answer with our own error of the same status."""
+        try:
+            original = await self.upstream.read_some(response, LOGGED_ERROR_BYTES)
+        except (UpstreamTimeout, UpstreamFailure):
+            original = b""
+        # repr() escapes control characters: the backend cannot forge log lines.
+        log.warning("backend %s answered %d: %s", b.id, response.status, repr(original[:LOGGED_ERROR_BYTES])[:LOGGED_ERROR_BYTES * 4])
+        retry_after = next((v for k, v in response.headers if k == b"retry-after"), None)
+        if retry_after is not None and (len(retry_after) > 32 or not retry_after.strip().isdigit()):
+            retry_after = None  # only delay-seconds: a date or anything else is not passed on
+        await reply(backend_error(response.status, retry_after))
 
     async def _relay_stream(
         self,
@@ -211,7 +264,10 @@ class Router:
                 events += chunk.count(b"data:")
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except (UpstreamTimeout, UpstreamFailure) as exc:
-            kind = f"{exc.phase}_timeout" if isinstance(exc, UpstreamTimeout) else "stream_broken"
+            if isinstance(exc, UpstreamTimeout):
+                kind = f"{exc.phase}_timeout"
+            else:
+                kind = f"invalid_{exc.reason}" if isinstance(exc, UpstreamInvalid) else "stream_broken"
             metrics.UPSTREAM_ERRORS.labels(backend=b.id, kind=kind).inc()
             self.pool.report_failure(b)
             log.warning("stream from backend %s broke mid-way (%s)", b.id, kind)

@@ -1,0 +1,521 @@
+"""The Redis store: keys, limits, usage and load shared by every replica and worker.
+
+- Keys live in one hash (``<p>:keys``, digest -> JSON record). Each process holds them all in
+  its ``KeyCache``; a change is published on ``<p>:keys:changed`` and every subscriber re-reads
+  that one key, so a created or revoked key takes effect everywhere within a second with no
+  Redis round trip per request. A full reload runs every ``state.key_refresh`` seconds and after
+  every reconnect, so a missed message cannot leave a key stale for long.
+- Admission is one Lua script (``ADMIT``), one round trip: rpm and tpm buckets, the concurrency
+  lease set and the budget counter, all at Redis's clock. Settling (``SETTLE``: refund or charge
+  tpm, drop the lease, count budget and usage) is batched: every few milliseconds one pipeline
+  carries the settles of every request that ended meanwhile.
+- Every call has a timeout (``state.timeout``). A failure marks Redis down for a second: known
+  keys keep working from the cache, unknown keys are refused (the cache is the only source),
+  limits fall back to ``LocalLimiter`` with each limit divided by the number of live replicas,
+  ``gateway_state_degraded`` is 1 and a warning is logged. A heartbeat notices the recovery,
+  reloads the keys and clears the flag.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from typing import Any, Awaitable, TypeVar
+
+import orjson
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from ..config import ApiKeyConfig, ConfigError
+from . import stats
+from .base import HOUR, StateStore, UsageRow, hour_of
+from .keys import key_from_record, key_to_record
+from .limits import Admission, Decision, LocalLimiter, period_id, period_seconds_left
+from .memory import merge_rows
+
+log = logging.getLogger("gateway.state.redis")
+
+T = TypeVar("T")
+
+MAX_PENDING = 100_000  # settles waiting for Redis; beyond it the oldest usage is dropped (and counted)
+FLUSH_EVERY = 0.005  # seconds: how long settles gather before one pipeline carries them
+DOWN_FOR = 1.0  # seconds a failure keeps requests on the local fallback before Redis is tried again
+
+# KEYS: rpm bucket, tpm bucket, lease set, budget counter
+# ARGV: rpm, tpm, max concurrent, tokens to reserve, lease id, lease ttl (ms), budget
+ADMIT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local rpm = tonumber(ARGV[1])
+local tpm = tonumber(ARGV[2])
+local conc = tonumber(ARGV[3])
+local reserve = tonumber(ARGV[4])
+local ttl = tonumber(ARGV[6])
+local budget = tonumber(ARGV[7])
+local function level(key, cap)
+  local v = redis.call('HMGET', key, 'l', 't')
+  local l = tonumber(v[1])
+  if not l then return cap end
+  l = l + (now - tonumber(v[2])) * cap / 60000
+  if l > cap then l = cap end
+  return l
+end
+local r = -1
+local k = -1
+if rpm > 0 then r = level(KEYS[1], rpm) end
+if tpm > 0 then k = level(KEYS[2], tpm) end
+if budget > 0 then
+  local used = tonumber(redis.call('GET', KEYS[4]) or '0')
+  if used >= budget then return {0, 'budget', 0, tostring(r), tostring(k)} end
+end
+if rpm > 0 and r < 1 then
+  return {0, 'rpm', math.ceil((1 - r) * 60000 / rpm), tostring(r), tostring(k)}
+end
+if tpm > 0 then
+  if reserve > tpm then return {0, 'too_big', 0, tostring(r), tostring(k)} end
+  if k < reserve then return {0, 'tpm', math.ceil((reserve - k) * 60000 / tpm), tostring(r), tostring(k)} end
+end
+if conc > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+  if redis.call('ZCARD', KEYS[3]) >= conc then return {0, 'concurrency', 1000, tostring(r), tostring(k)} end
+  redis.call('ZADD', KEYS[3], now + ttl, ARGV[5])
+  redis.call('PEXPIRE', KEYS[3], ttl * 2)
+end
+if rpm > 0 then
+  r = r - 1
+  redis.call('HSET', KEYS[1], 'l', tostring(r), 't', now)
+  redis.call('PEXPIRE', KEYS[1], 120000)
+end
+if tpm > 0 then
+  k = k - reserve
+  redis.call('HSET', KEYS[2], 'l', tostring(k), 't', now)
+  redis.call('PEXPIRE', KEYS[2], 120000)
+end
+return {1, '', 0, tostring(r), tostring(k)}
+"""
+
+# KEYS: tpm bucket, lease set, budget counter, usage hash of this hour
+# ARGV: tpm, tokens to give back (negative: to take), lease id, tokens used, budget ttl (s, -1: no
+#       budget, 0: forever), usage field prefix, prompt, completion, estimated (0/1), usage ttl (s), counted (0/1)
+SETTLE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local tpm = tonumber(ARGV[1])
+local back = tonumber(ARGV[2])
+if tpm > 0 and back ~= 0 then
+  local v = redis.call('HMGET', KEYS[1], 'l', 't')
+  local l = tonumber(v[1])
+  if l then
+    l = l + (now - tonumber(v[2])) * tpm / 60000
+    if l > tpm then l = tpm end
+    l = l + back
+    if l > tpm then l = tpm end
+    redis.call('HSET', KEYS[1], 'l', tostring(l), 't', now)
+    redis.call('PEXPIRE', KEYS[1], 120000)
+  end
+end
+if ARGV[3] ~= '' then redis.call('ZREM', KEYS[2], ARGV[3]) end
+local used = tonumber(ARGV[4])
+local bttl = tonumber(ARGV[5])
+if bttl >= 0 and used > 0 then
+  redis.call('INCRBY', KEYS[3], used)
+  if bttl > 0 then redis.call('EXPIRE', KEYS[3], bttl) end
+end
+if ARGV[11] == '1' then
+  local f = ARGV[6]
+  redis.call('HINCRBY', KEYS[4], f .. '|p', ARGV[7])
+  redis.call('HINCRBY', KEYS[4], f .. '|c', ARGV[8])
+  redis.call('HINCRBY', KEYS[4], f .. '|n', 1)
+  if ARGV[9] == '1' then redis.call('HINCRBY', KEYS[4], f .. '|e', 1) end
+  redis.call('EXPIRE', KEYS[4], tonumber(ARGV[10]))
+end
+return 1
+"""
+
+# KEYS: lease sets; ARGV[1]: ttl (ms), ARGV[2..]: the lease ids, one per key
+RENEW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local ttl = tonumber(ARGV[1])
+for i, key in ipairs(KEYS) do
+  redis.call('ZADD', key, 'XX', now + ttl, ARGV[i + 1])
+  redis.call('PEXPIRE', key, ttl * 2)
+end
+return #KEYS
+"""
+
+
+class RedisStore(StateStore):
+    kind = "redis"
+    shared = True
+
+    def __init__(self, config, client: Any = None) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(config)
+        cfg = self.cfg
+        p = cfg.prefix
+        self._p = p
+        self.keys_hash = f"{p}:keys"
+        self.channel = f"{p}:keys:changed"
+        self.r = client or aioredis.from_url(
+            cfg.redis_url,
+            socket_timeout=cfg.timeout,
+            socket_connect_timeout=cfg.timeout,
+            retry=Retry(NoBackoff(), 0),
+            retry_on_timeout=False,
+            health_check_interval=0,
+            max_connections=256,
+        )
+        self._admit = self.r.register_script(ADMIT)
+        self._settle_script = self.r.register_script(SETTLE)
+        self._renew = self.r.register_script(RENEW)
+        self.fallback = LocalLimiter()
+        self.replicas = 1  # live replicas last seen; the fallback divides limits by it
+        self._down_until = 0.0
+        self.degraded = False
+        self._pending: deque[tuple[list[str], list[Any]]] = deque()
+        self._wake = asyncio.Event()
+        self._leases: dict[str, tuple[str, str]] = {}  # lease id -> (lease set key, lease id) held by this process
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closing = False
+        self.synced = asyncio.Event()  # the first full key load is done
+        self.load: dict[str, int] = {}  # backend id -> in-flight summed over the other replicas
+        self.local_load: Any = None  # callable returning this replica's {backend id: in flight}
+
+    # -- plumbing ------------------------------------------------------------------------------
+    async def _call(self, op: str, aw: Awaitable[T]) -> T:
+        try:
+            return await asyncio.wait_for(aw, self.cfg.timeout * 2)
+        except Exception:
+            stats.STATE_ERRORS.labels(op=op).inc()
+            self._mark_down(op)
+            raise
+
+    def _mark_down(self, op: str) -> None:
+        self._down_until = time.monotonic() + DOWN_FOR
+        if not self.degraded:
+            self.degraded = True
+            stats.STATE_DEGRADED.set(1)
+            log.warning(
+                "Redis is unreachable (%s failed): known keys keep working from the local cache, unknown keys are refused, "
+                "limits fall back to a 1/%d share per replica until it is back",
+                op, self.replicas,
+            )
+
+    def _mark_up(self) -> None:
+        if self.degraded:
+            self.degraded = False
+            stats.STATE_DEGRADED.set(0)
+            log.warning("Redis is reachable again: shared keys, limits and usage resume")
+
+    def _down(self) -> bool:
+        return time.monotonic() < self._down_until
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    async def start(self) -> None:
+        try:
+            await self._call("start", self.sync_keys())
+            await self._heartbeat_once()
+        except Exception as exc:
+            log.warning("Redis not reachable at start-up (%s); serving the config's keys until it is", exc.__class__.__name__)
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._subscribe()), loop.create_task(self._flusher()), loop.create_task(self._heartbeat())]
+
+    async def close(self) -> None:
+        self._closing = True
+        self._wake.set()
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            try:
+                await t
+            except BaseException:
+                pass
+        try:
+            await asyncio.wait_for(self._flush(), self.cfg.timeout * 4)
+            await asyncio.wait_for(self.r.zrem(f"{self._p}:replicas", self.replica), self.cfg.timeout * 2)
+        except Exception:
+            pass
+        try:
+            await self.r.aclose()
+        except Exception:
+            pass
+
+    # -- keys ------------------------------------------------------------------------------------
+    def _parse(self, digest: str, raw: bytes | str) -> ApiKeyConfig | None:
+        try:
+            return key_from_record(orjson.loads(raw), f"redis {self.keys_hash}[{digest[:15]}...]")
+        except (ConfigError, orjson.JSONDecodeError, ValueError) as exc:
+            log.error("ignoring a stored key that does not validate: %s", getattr(exc, "problems", exc))
+            return None
+
+    async def sync_keys(self) -> None:
+        raw = await self.r.hgetall(self.keys_hash)
+        keys = []
+        for digest, value in raw.items():
+            d = digest.decode() if isinstance(digest, bytes) else digest
+            k = self._parse(d, value)
+            if k is not None:
+                keys.append(k)
+        self.keys.set_store_keys(keys)
+        stats.KEY_RELOADS.labels(source="redis", result="ok").inc()
+        self.synced.set()
+
+    async def _refresh_one(self, digest: str) -> None:
+        raw = await self._call("key_refresh", self.r.hget(self.keys_hash, digest))
+        self.keys.put_store_key(digest, self._parse(digest, raw) if raw is not None else None)
+
+    async def put_key(self, key: ApiKeyConfig) -> None:
+        record = orjson.dumps(key_to_record(key))
+        async with self.r.pipeline(transaction=True) as pipe:
+            pipe.hset(self.keys_hash, key.hash, record)
+            pipe.publish(self.channel, key.hash)
+            await self._call("put_key", pipe.execute())
+        self.keys.put_store_key(key.hash, key)
+
+    async def get_key(self, digest: str) -> ApiKeyConfig | None:
+        raw = await self._call("get_key", self.r.hget(self.keys_hash, digest))
+        return self._parse(digest, raw) if raw is not None else None
+
+    async def list_keys(self) -> list[ApiKeyConfig]:
+        raw = await self._call("list_keys", self.r.hgetall(self.keys_hash))
+        out = []
+        for d, v in raw.items():
+            k = self._parse(d.decode() if isinstance(d, bytes) else d, v)
+            if k is not None:
+                out.append(k)
+        return out
+
+    async def _subscribe(self) -> None:
+        backoff = 0.1
+        last_full = time.monotonic()
+        while not self._closing:
+            pubsub = self.r.pubsub()
+            try:
+                await asyncio.wait_for(pubsub.subscribe(self.channel), self.cfg.timeout * 2)
+                # Subscribed first, then loaded: a change made in between is in the load or in a message.
+                await self._call("sync_keys", self.sync_keys())
+                backoff = 0.1
+                while not self._closing:
+                    msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.2)
+                    if msg is not None and msg.get("type") == "message":
+                        data = msg["data"]
+                        digest = data.decode() if isinstance(data, bytes) else str(data)
+                        if digest.startswith("sha256:") and len(digest) == 71:
+                            await self._refresh_one(digest)
+                        else:
+                            await self._call("sync_keys", self.sync_keys())
+                    if time.monotonic() - last_full > self.cfg.key_refresh:
+                        last_full = time.monotonic()
+                        await self._call("sync_keys", self.sync_keys())
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._mark_down("subscribe")
+                log.debug("key subscription lost: %s", exc.__class__.__name__)
+                await asyncio.sleep(backoff)
+                backoff = min(2.0, backoff * 2)
+            finally:
+                try:
+                    await asyncio.wait_for(pubsub.aclose(), self.cfg.timeout)
+                except BaseException:
+                    pass
+
+    # -- limits ----------------------------------------------------------------------------------
+    def _rk(self, key: ApiKeyConfig, kind: str) -> str:
+        return f"{self._p}:rl:{key.hash[7:]}:{kind}"
+
+    def _lease_key(self, key: ApiKeyConfig) -> str:
+        return f"{self._p}:cc:{key.hash[7:]}"
+
+    def _budget_key(self, key: ApiKeyConfig) -> str:
+        return f"{self._p}:bud:{key.hash[7:]}:{period_id(key.budget_period)}"
+
+    async def _decide(self, key: ApiKeyConfig, reserve: int, lease: str) -> tuple[Decision, bool, int]:
+        if not self._down():
+            try:
+                res = await self._call(
+                    "admit",
+                    self._admit(
+                        keys=[self._rk(key, "r"), self._rk(key, "t"), self._lease_key(key), self._budget_key(key)],
+                        args=[key.rate_limit_rpm or 0, key.rate_limit_tpm or 0, key.max_concurrent or 0, reserve, lease,
+                              int(self.cfg.lease_ttl * 1000), key.budget_tokens or 0],
+                    ),
+                )
+            except Exception:
+                pass
+            else:
+                ok, reason, retry, r, k = res
+                d = Decision(bool(ok), reason.decode() if isinstance(reason, bytes) else reason, int(retry), float(r), float(k))
+                if d.ok and lease:
+                    self._leases[lease] = (self._lease_key(key), lease)
+                return d, True, 1
+        share = max(1, self.replicas)
+        return self.fallback.admit(key, reserve, lease, share), False, share
+
+    def _settle(self, adm: Admission, used: int, prompt: int, completion: int, estimated: bool, counted: bool) -> None:
+        key = adm.key
+        if adm.lease:
+            self._leases.pop(adm.lease, None)
+        shared = adm.shared
+        if not shared and key.limited:
+            self.fallback.settle(key, adm.reserved, used, adm.lease, max(1, self.replicas))
+        if not shared and not counted:
+            return
+        now = time.time()
+        budget_ttl = period_seconds_left(key.budget_period, now) if key.budget_tokens and shared else -1
+        keys = [self._rk(key, "t"), self._lease_key(key), self._budget_key(key), f"{self._p}:usage:{hour_of(now)}"]
+        args = [
+            key.rate_limit_tpm or 0 if shared else 0,
+            adm.reserved - used if shared else 0,
+            adm.lease if shared else "",
+            used,
+            budget_ttl,
+            f"{key.hash[7:]}|{adm.model}",
+            prompt,
+            completion,
+            1 if estimated else 0,
+            self.cfg.usage_retention_days * 86400,
+            1 if counted else 0,
+        ]
+        if len(self._pending) >= MAX_PENDING:
+            self._pending.popleft()
+            stats.STATE_ERRORS.labels(op="settle_dropped").inc()
+        self._pending.append((keys, args))
+        self._wake.set()
+
+    async def _flush(self) -> None:
+        if not self._pending:
+            return
+        batch = list(self._pending)
+        self._pending.clear()
+        pipe = self.r.pipeline(transaction=False)
+        for keys, args in batch:
+            self._settle_script(keys=keys, args=args, client=pipe)
+        try:
+            await self._call("settle", pipe.execute())
+        except Exception:
+            # Kept for later (bounded): usage is counted once Redis is back; leases expire on their own.
+            for item in reversed(batch):
+                if len(self._pending) < MAX_PENDING:
+                    self._pending.appendleft(item)
+            raise
+        finally:
+            try:
+                await pipe.reset()
+            except Exception:
+                pass
+
+    async def _flusher(self) -> None:
+        while not self._closing:
+            await self._wake.wait()
+            self._wake.clear()
+            await asyncio.sleep(FLUSH_EVERY)  # let the settles of this moment gather into one pipeline
+            if self._down():
+                await asyncio.sleep(max(0.0, self._down_until - time.monotonic()))
+            try:
+                await self._flush()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                self._wake.set()
+                await asyncio.sleep(0.2)
+
+    async def flush(self) -> None:
+        """Settle everything pending now (tests and shutdown)."""
+        await self._flush()
+
+    # -- heartbeat: replica count, lease renewal, load, recovery ------------------------------------
+    async def _heartbeat_once(self) -> None:
+        ttl_ms = int(self.cfg.lease_ttl * 1000)
+        pipe = self.r.pipeline(transaction=False)
+        replicas = f"{self._p}:replicas"
+        wall = time.time()
+        pipe.zadd(replicas, {self.replica: wall + self.cfg.lease_ttl})
+        pipe.zremrangebyscore(replicas, "-inf", wall)
+        pipe.zcard(replicas)
+        if self._leases:
+            held = list(self._leases.values())
+            self._renew(keys=[k for k, _ in held], args=[ttl_ms, *[lid for _, lid in held]], client=pipe)
+        load_key = f"{self._p}:load:{self.replica}"
+        local = self.local_load() if self.local_load is not None else {}
+        if local:
+            pipe.delete(load_key)
+            pipe.hset(load_key, mapping=local)
+            pipe.pexpire(load_key, ttl_ms)
+        else:
+            pipe.delete(load_key)
+        pipe.zrange(replicas, 0, -1)
+        res = await self._call("heartbeat", pipe.execute())
+        self.replicas = max(1, int(res[2]))
+        others = [m.decode() if isinstance(m, bytes) else m for m in res[-1]]
+        others = [m for m in others if m != self.replica]
+        if self.local_load is not None and others:
+            loads = await self._call("load", _hgetall_many(self.r, [f"{self._p}:load:{m}" for m in others]))
+            total: dict[str, int] = {}
+            for mapping in loads:
+                for b, n in mapping.items():
+                    b = b.decode() if isinstance(b, bytes) else b
+                    total[b] = total.get(b, 0) + int(n)
+            self.load = total
+        else:
+            self.load = {}
+        was_degraded = self.degraded
+        self._mark_up()
+        if was_degraded:
+            await self._call("sync_keys", self.sync_keys())
+            self._wake.set()
+
+    async def _heartbeat(self) -> None:
+        while not self._closing:
+            await asyncio.sleep(min(1.0, self.cfg.lease_ttl / 3))
+            try:
+                await self._heartbeat_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                pass
+
+    def remote_in_flight(self, backend_id: str) -> int:
+        return self.load.get(backend_id, 0)
+
+    # -- usage -----------------------------------------------------------------------------------
+    async def usage(self, key_hash: str | None = None, since: float | None = None) -> list[UsageRow]:
+        now = time.time()
+        first = hour_of(since if since is not None else now - self.cfg.usage_retention_days * 86400)
+        hours = list(range(first, hour_of(now) + HOUR, HOUR))[-(self.cfg.usage_retention_days * 24 + 1) :]
+        pipe = self.r.pipeline(transaction=False)
+        for h in hours:
+            pipe.hgetall(f"{self._p}:usage:{h}")
+        results = await asyncio.wait_for(pipe.execute(), max(5.0, self.cfg.timeout * 10))
+        rows: dict[tuple[str, str], UsageRow] = {}
+        want = key_hash[7:] if key_hash else None
+        for mapping in results:
+            for field, value in mapping.items():
+                f = field.decode() if isinstance(field, bytes) else field
+                head, _, kind = f.rpartition("|")
+                h, _, model = head.partition("|")
+                if want is not None and h != want:
+                    continue
+                row = rows.get((h, model))
+                if row is None:
+                    row = rows[(h, model)] = UsageRow("sha256:" + h, model)
+                n = int(value)
+                if kind == "p":
+                    row.prompt_tokens += n
+                elif kind == "c":
+                    row.completion_tokens += n
+                elif kind == "n":
+                    row.requests += n
+                elif kind == "e":
+                    row.estimated += n
+        return merge_rows(rows.values())
+
+
+async def _hgetall_many(r: Any, keys: list[str]) -> list[dict[Any, Any]]:
+    pipe = r.pipeline(transaction=False)
+    for k in keys:
+        pipe.hgetall(k)
+    return await pipe.execute()
