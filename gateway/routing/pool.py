@@ -12,8 +12,8 @@ import asyncio
 import logging
 import random
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from dataclasses import dataclass
+from typing import Callable, Iterable
 
 import httpx
 import orjson
