@@ -2,10 +2,19 @@
 
 Targets, all against the same very fast fake backend (bench/fake_backend.py):
   direct            the backend itself: the limit
-  gateway                  auth, path/body/media policy, balancer, our HTTP/1.1 client (the default)
+  gateway                  auth, path/body/media policy, balancer, our HTTP/1.1 client (the default),
+                           on our HTTP/1.1 server (gateway/server, the default)
+  gateway/uvicorn          the same on uvicorn (server.http: uvicorn), to weigh our server against it
   gateway[aiohttp]         the same with an aiohttp ClientSession
   (the httpx transports were dropped: they cannot enforce response framing, see gateway/upstream.py)
   lmdeploy-proxy    `lmdeploy serve proxy`, when lmdeploy is installed
+  gateway+memory    the bench key with limits (rpm, tpm, concurrency): in-memory state store
+  gateway+redis     the same limits in Redis (redis-server started by the bench): one round trip each
+  gateway+redis-w2  `gateway serve --workers 2` with Redis (cpu/req sums both workers)
+  smg               the SGLang model gateway (Rust), when installed in .venv-smg (see below)
+
+The state rows print Redis scripts per request (from INFO commandstats) and Redis's CPU per request
+beside the gateway's. SMG: `python3 -m venv .venv-smg && .venv-smg/bin/pip install smg`.
 
 Load comes from wrk (Debian package `wrk`), at concurrency 1 and 32, non-streaming and streaming.
 
@@ -103,30 +112,84 @@ def wrk(url: str, concurrency: int, duration: float, body: bytes, key: str | Non
     return {"rps": int(n) / (int(dur_us) / 1e6), "errors": int(errors), "p50_ms": float(p50) / 1000, "p99_ms": float(p99) / 1000}
 
 
+def wait_port(port: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"port {port}")
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process: a cost per request that other load on the machine does not distort."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def gateway_config(path: Path, backend_port: int, key_hash: str, transport: str) -> None:
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU of a process and its live descendants (the workers of --workers N)."""
+    total = 0.0
+    for p in [pid, *descendants(pid)]:
+        with contextlib.suppress(OSError):
+            total += cpu_seconds(p)
+    return total
+
+
+def descendants(root: int) -> list[int]:
+    parents: dict[int, int] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            with contextlib.suppress(OSError):
+                stat = Path(f"/proc/{name}/stat").read_bytes()
+                parents[int(name)] = int(stat[stat.rfind(b")") + 2 :].split()[1])
+    out: list[int] = []
+    frontier = {root}
+    while frontier:
+        frontier = {p for p, pp in parents.items() if pp in frontier} - set(out)
+        out += sorted(frontier)
+    return out
+
+
+# The key limits the state rows carry: high enough never to refuse, present so each request is admitted.
+STATE_LIMITS = {"rate_limit_rpm": 1_000_000_000, "rate_limit_tpm": 1_000_000_000_000, "max_concurrent": 100_000}
+
+
+def redis_commands(port: int) -> int:
+    """Scripts run by Redis so far (admission and settle scripts: EVALSHA/EVAL calls)."""
+    import redis
+
+    with redis.Redis(port=port) as r:
+        stats = r.info("commandstats")
+    return sum(v.get("calls", 0) for k, v in stats.items() if k in ("cmdstat_evalsha", "cmdstat_eval"))
+
+
+def gateway_config(path: Path, backend_port: int, key_hash: str, transport: str, http: str = "native", state: dict | None = None) -> None:
+    key = {"name": "bench", "hash": key_hash}
+    if state is not None:
+        key.update(STATE_LIMITS)
     cfg = {
-        "server": {"log_level": "warning"},
-        "auth": {"keys": [{"name": "bench", "hash": key_hash}]},
+        "server": {"log_level": "warning", "http": http},
+        "auth": {"keys": [key]},
         "backends": [{"url": f"http://127.0.0.1:{backend_port}", "models": [MODEL]}],
         "upstream": {"transport": transport},
         "media": {"allowed_domains": ["images.example.com"]},
         "health": {"interval": 5},
     }
+    if state:
+        cfg["state"] = state
     path.write_text(orjson.dumps(cfg).decode())  # JSON is YAML
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--duration", type=float, default=5.0, help="seconds per measurement")
-    ap.add_argument("--targets", default="direct,gateway,gateway[aiohttp],lmdeploy-proxy")
+    ap.add_argument("--targets", default="direct,gateway,gateway/uvicorn,gateway[aiohttp],lmdeploy-proxy")
     ap.add_argument("--concurrency", default="1,32")
     local = ROOT / ".venv-lmdeploy" / "bin" / "lmdeploy"
+    smg_local = ROOT / ".venv-smg" / "bin" / "smg"
+    ap.add_argument("--smg", default=shutil.which("smg") or (str(smg_local) if smg_local.exists() else None),
+                    help="the smg executable (SGLang model gateway) for its row (default: on PATH, or .venv-smg/bin)")
     ap.add_argument("--lmdeploy", default=shutil.which("lmdeploy") or (str(local) if local.exists() else None),
                     help="the lmdeploy executable for the proxy baseline (default: on PATH, or .venv-lmdeploy/bin)")
     args = ap.parse_args()
@@ -143,7 +206,16 @@ def main() -> None:
     rows: list[tuple[str, str, int, dict[str, float]]] = []
     tmp = Path(tempfile.mkdtemp(prefix="gw-bench-"))
     backend_port = free_port()
-    with process([sys.executable, "bench/fake_backend.py", "--port", str(backend_port), "--model", MODEL]):
+    redis_port = None
+    outer = contextlib.ExitStack()
+    if any(t.startswith("gateway+redis") for t in targets):
+        if shutil.which("redis-server") is None:
+            sys.exit("redis-server is not installed (apt-get install redis-server)")
+        redis_port = free_port()
+        outer.enter_context(process(["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]))
+        wait_port(redis_port)
+    redis_pid = next((p for p in descendants(os.getpid()) if b"redis-server" in Path(f"/proc/{p}/cmdline").read_bytes()), None) if redis_port else None
+    with outer, process([sys.executable, "bench/fake_backend.py", "--port", str(backend_port), "--model", MODEL]):
         wait_http(f"http://127.0.0.1:{backend_port}/health")
         for target in targets:
             stack = contextlib.ExitStack()
@@ -151,14 +223,37 @@ def main() -> None:
             with stack:
                 if target == "direct":
                     url, k = f"http://127.0.0.1:{backend_port}/v1/chat/completions", None
-                elif target.startswith("gateway"):
-                    transport = target[len("gateway["):-1] if "[" in target else "native"
+                elif target.startswith("gateway+"):
+                    variant = target[len("gateway+"):]
+                    state = {} if variant == "memory" else {"redis_url": f"redis://127.0.0.1:{redis_port}/0", "prefix": "bench"}
                     port = free_port()
-                    cfg = tmp / f"{transport}.yaml"
-                    gateway_config(cfg, backend_port, hash_key(key), transport)
+                    cfg = tmp / f"state-{variant}.yaml"
+                    gateway_config(cfg, backend_port, hash_key(key), "native", state=state)
+                    workers = ["--workers", "2"] if variant.endswith("-w2") else []
+                    pid = stack.enter_context(process([sys.executable, "-m", "gateway", "serve", "--config", str(cfg), "--port", str(port), *workers])).pid
+                    for _ in range(20):  # fresh connections reach every worker: all of them must be up
+                        wait_http(f"http://127.0.0.1:{port}/ready", timeout=60)
+                    url, k = f"http://127.0.0.1:{port}/v1/chat/completions", key
+                elif target.startswith("gateway"):
+                    name, _, http = target.partition("/")  # gateway[transport]/server
+                    transport = name[len("gateway["):-1] if "[" in name else "native"
+                    port = free_port()
+                    cfg = tmp / f"{transport}-{http or 'native'}.yaml"
+                    gateway_config(cfg, backend_port, hash_key(key), transport, http or "native")
                     pid = stack.enter_context(process([sys.executable, "-m", "gateway", "serve", "--config", str(cfg), "--port", str(port)])).pid
                     wait_http(f"http://127.0.0.1:{port}/ready")
                     url, k = f"http://127.0.0.1:{port}/v1/chat/completions", key
+                elif target == "smg":
+                    if not args.smg:
+                        print("smg: skipped (install it: python3 -m venv .venv-smg && .venv-smg/bin/pip install smg)")
+                        continue
+                    port = free_port()
+                    pid = stack.enter_context(process([args.smg, "launch", "--backend", "vllm", "--disable-tokenizer-autoload",
+                                                       "--worker-urls", f"http://127.0.0.1:{backend_port}", "--policy", "round_robin",
+                                                       "--host", "127.0.0.1", "--port", str(port),
+                                                       "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--log-level", "warn"])).pid
+                    wait_http(f"http://127.0.0.1:{port}/v1/models", timeout=60)
+                    url, k = f"http://127.0.0.1:{port}/v1/chat/completions", None
                 elif target == "lmdeploy-proxy":
                     if not args.lmdeploy:
                         print("lmdeploy-proxy: skipped (lmdeploy is not installed here)")
@@ -173,10 +268,16 @@ def main() -> None:
                 for mode, b in (("json", body), ("stream", stream_body)):
                     for c in levels:
                         wrk(url, c, 1.0, b, k)  # warm-up: connections, caches
-                        cpu0 = cpu_seconds(pid) if pid else 0.0
+                        cpu0 = tree_cpu_seconds(pid) if pid else 0.0
+                        rcmd0 = redis_commands(redis_port) if redis_port and "redis" in target else 0
+                        rcpu0 = cpu_seconds(redis_pid) if redis_pid and "redis" in target else 0.0
                         r = wrk(url, c, args.duration, b, k)
                         n = r["rps"] * max(1, int(args.duration))
-                        r["cpu_us"] = (cpu_seconds(pid) - cpu0) / n * 1e6 if pid and n else float("nan")
+                        r["cpu_us"] = (tree_cpu_seconds(pid) - cpu0) / n * 1e6 if pid and n else float("nan")
+                        if redis_port and "redis" in target and n:
+                            r["redis_cmds"] = (redis_commands(redis_port) - rcmd0) / n
+                            r["redis_cpu_us"] = (cpu_seconds(redis_pid) - rcpu0) / n * 1e6 if redis_pid else float("nan")
+                            print(f"  {'':22} redis: {r['redis_cmds']:.2f} scripts/req (1 admission + 1 settle, settles pipelined), redis-server cpu/req {r['redis_cpu_us']:.0f} us")
                         rows.append((target, mode, c, r))
                         print(f"  {target:22} {mode:6} c={c:<3} {r['rps']:9.0f} req/s  p50 {r['p50_ms']:.3f} ms  p99 {r['p99_ms']:.3f} ms  cpu/req {r['cpu_us']:.0f} us  errors {r['errors']}", flush=True)
     base = {(m, c): r for t, m, c, r in rows if t == "direct"}

@@ -1,36 +1,31 @@
-"""Python 3.10 stand-in for ``asyncio.timeout`` (3.11+): a reschedulable deadline on the current task."""
+"""``timeout``: ``asyncio.timeout`` on Python 3.11+, the maintained ``async-timeout`` package on 3.10.
+
+Both raise the builtin ``TimeoutError`` when the deadline passes (on 3.10 ``async-timeout`` raises
+``asyncio.TimeoutError``, a different class there, so it is translated once, here).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import sys
+from typing import AsyncIterator
 
 
-class timeout:  # noqa: N801 - mirrors asyncio.timeout
-    def __init__(self, delay: float | None):
-        self._delay = delay
-        self._handle: asyncio.TimerHandle | None = None
-        self._expired = False
+@contextlib.asynccontextmanager
+async def _from_async_timeout(delay: float | None) -> AsyncIterator[None]:
+    from async_timeout import timeout as async_timeout
 
-    async def __aenter__(self) -> "timeout":
-        self._task = asyncio.current_task()
-        self._loop = asyncio.get_running_loop()
-        if self._delay is not None:
-            self.reschedule(self._loop.time() + self._delay)
-        return self
+    try:
+        async with async_timeout(delay):
+            yield
+    except asyncio.TimeoutError:
+        raise TimeoutError from None
 
-    def _fire(self) -> None:
-        self._expired = True
-        assert self._task is not None
-        self._task.cancel()
 
-    def reschedule(self, when: float | None) -> None:
-        if self._handle is not None:
-            self._handle.cancel()
-        self._handle = None if when is None else self._loop.call_at(when, self._fire)
+if sys.version_info >= (3, 11):
+    from asyncio import timeout
+else:  # pragma: no cover - Python 3.10
+    timeout = _from_async_timeout
 
-    async def __aexit__(self, exc_type, exc, tb) -> bool:
-        if self._handle is not None:
-            self._handle.cancel()
-        if exc_type is asyncio.CancelledError and self._expired:
-            raise TimeoutError from None
-        return False
+__all__ = ["timeout"]

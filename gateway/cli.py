@@ -10,6 +10,7 @@ import argparse
 import logging
 import dataclasses
 import os
+import signal
 import sys
 
 from .config import ConfigError, GatewayConfig, load_config
@@ -40,8 +41,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = _load(args.config)
     if cfg is None:
         return EXIT_CONFIG
-    import uvicorn
-
     from .app import Gateway
 
     from . import logs
@@ -51,7 +50,51 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cfg = dataclasses.replace(cfg, state_dir=args.state_dir)
     host = args.host or cfg.server.host
     port = args.port if args.port is not None else cfg.server.port
+    if args.workers != 1 and args.worker_index is None:  # the parent of --workers N: supervises only
+        from .workers import supervise
+
+        return supervise(args, cfg, host, port)
+    if args.worker_index:  # one admin listener per host: worker 0's
+        cfg = dataclasses.replace(cfg, admin=dataclasses.replace(cfg.admin, enabled=False))
+    busy = _busy_ports([(cfg.admin.host, cfg.admin.port)] if cfg.admin.enabled else [])
+    if busy:  # before anything starts or is announced
+        print(f"gateway serve: {busy}; is another gateway running? Stop it, or choose another port (admin.port)", file=sys.stderr)
+        return 1
+    signal.signal(signal.SIGHUP, _on_sighup)  # a closed terminal must not stop the gateway without a word
+    if cfg.server.http == "uvicorn":
+        return _serve_uvicorn(cfg, host, port, args.worker_index)
+    from . import server
+
+    if args.worker_index is not None:  # one of N workers: its own SO_REUSEPORT socket on the shared port
+        from .workers import worker_setup
+
+        cfg, sock = worker_setup(cfg, args.worker_index, host, port)
+        sockets = [sock]
+    else:
+        # Bind before start-up: a busy port is reported at once, before any backend is launched.
+        try:
+            sockets = [server.bind(host, port)]
+        except server.PortBusy as exc:
+            print(f"gateway serve: {exc}", file=sys.stderr)
+            return 1
     gateway = Gateway(cfg)
+    gateway.follow_backends = bool(args.worker_index)  # workers > 0 learn launched backends from worker 0
+    return server.run(gateway.asgi(), cfg.server, drain=cfg.timeouts.drain, host=host, port=port, sockets=sockets)
+
+
+def _serve_uvicorn(cfg: GatewayConfig, host: str, port: int, worker_index: int | None) -> int:
+    """uvicorn, kept only to be measured against (bench/overhead.py): it enforces none of server.max_*."""
+    import uvicorn
+
+    from .app import Gateway
+
+    sock = None
+    if worker_index is not None:
+        from .workers import worker_setup
+
+        cfg, sock = worker_setup(cfg, worker_index, host, port)
+    gateway = Gateway(cfg)
+    gateway.follow_backends = bool(worker_index)
     config = uvicorn.Config(
         gateway.asgi(),
         host=host,
@@ -63,13 +106,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log_level=cfg.server.log_level,
         log_config=None,  # uvicorn's lines go through our handler (and format) too
         timeout_graceful_shutdown=int(cfg.timeouts.drain) or None,
+        timeout_keep_alive=int(cfg.server.keepalive_timeout) or 1,
         server_header=False,
         date_header=False,
         proxy_headers=False,
     )
     server = uvicorn.Server(config)
     try:
-        server.run()
+        server.run(sockets=[sock] if sock is not None else None)
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its clean shutdown
         return 130
     return 0 if server.started else 1
@@ -80,6 +124,37 @@ def cmd_keys_hash(args: argparse.Namespace) -> int:
 
     key = sys.stdin.readline().strip() if args.key == "-" else args.key
     print(hash_key(key))
+    return 0
+
+
+def _busy_ports(addresses: list[tuple[str, int]]) -> str | None:
+    from .admin.server import bind
+
+    for host, port in addresses:
+        if port == 0:
+            continue
+        try:
+            bind(host, port).close()
+        except OSError as exc:
+            return str(exc)
+    return None
+
+
+def _on_sighup(signum: int, frame: object) -> None:
+    logging.getLogger("gateway").warning(
+        "SIGHUP (the terminal closed?): the gateway keeps running; stop it with Ctrl-C or SIGTERM"
+        " (with auth.keys_file set, SIGHUP reloads the keys file instead)"
+    )
+
+
+def cmd_admin_key(args: argparse.Namespace) -> int:
+    """A new admin-listener key, as env-file lines: the key for you (and Prometheus), its hash for the config."""
+    from .filters.auth import hash_key, new_key
+
+    key = new_key()
+    print(f"ADMIN_KEY={key}\nADMIN_KEY_HASH={hash_key(key)}")
+    print("# Keep ADMIN_KEY secret (it opens the admin listener); put ADMIN_KEY_HASH in the config:"
+          ' admin: {key_hash: "${ADMIN_KEY_HASH}"}', file=sys.stderr)
     return 0
 
 
@@ -98,6 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=None, help="override server.host")
     p.add_argument("--port", type=int, default=None, help="override server.port")
     p.add_argument("--state-dir", default=None, help="override state_dir: where launched instances' logs go (must be writable)")
+    p.add_argument("--workers", type=int, default=1, help="processes serving the port (needs state.redis_url when more than 1)")
+    p.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("check-config", help="validate a config file exactly as serve does, and exit")
@@ -111,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = keys.add_parser("hash", help="print the stored form of an existing key ('-' reads it from stdin)")
     p.add_argument("key")
     p.set_defaults(func=cmd_keys_hash)
+
+    p = sub.add_parser("admin-key", help="make a key for the admin listener; prints ADMIN_KEY=... and ADMIN_KEY_HASH=... (env-file lines)")
+    p.set_defaults(func=cmd_admin_key)
 
     sub.add_parser("sim", help="run the simulated api_server (see `gateway sim --help`)", add_help=False)
     return parser

@@ -23,17 +23,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import ssl
-import sys
 import logging
 import time
 from typing import AsyncIterator
 
 import httptools
 
-if sys.version_info >= (3, 11):
-    from asyncio import timeout as _timeout
-else:  # pragma: no cover - Python 3.10
-    from ._compat import timeout as _timeout
+from ._compat import timeout as _timeout
 
 IDLE_EXPIRY = 4.0  # below uvicorn's (and so lmdeploy's) 5 s keep-alive timeout
 HIGH_WATER = 1 << 20  # bytes buffered for a slow consumer before we stop reading from the backend
@@ -71,7 +67,7 @@ class _Conn(asyncio.Protocol):
     __slots__ = (
         "transport", "parser", "status", "headers", "chunks", "buffered", "done", "lost",
         "waiter", "head_waiter", "keep_alive", "idle_since", "_paused", "_header_name",
-        "violation", "head_bytes", "head_complete", "max_header_bytes", "max_headers", "peer", "why",
+        "violation", "head_bytes", "head_complete", "max_header_bytes", "max_headers", "peer", "why", "header_size",
     )
 
     def __init__(self, max_header_bytes: int = MAX_HEADER_BYTES, max_headers: int = MAX_HEADERS, peer: str = "") -> None:
@@ -97,7 +93,8 @@ class _Conn(asyncio.Protocol):
         self.head_waiter: asyncio.Future[None] | None = None
         self._paused = False
         self._header_name = b""
-        self.head_bytes = 0
+        self.head_bytes = 0  # raw bytes received while the head is incomplete
+        self.header_size = 0  # parsed header bytes: a whole head may arrive in one read
         self.head_complete = False
 
     # -- asyncio.Protocol ---------------------------------------------------------------------
@@ -151,12 +148,16 @@ class _Conn(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         if len(self.headers) >= self.max_headers:
             self._violate("too_many_headers")
+        self.header_size += len(name) + len(value) + 4
+        if self.header_size > self.max_header_bytes:
+            self._violate("headers_too_large")
         self.headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
         status = self.parser.get_status_code()
         if status == 100:  # interim: the final response follows on the same connection
             self.headers = []
+            self.header_size = 0
             return
         if not 200 <= status <= 599:
             self._violate(f"status_{status}" if 100 <= status <= 199 else "bad_status")

@@ -2,11 +2,11 @@
 
     request line  -> PathPolicy        (canonical target, exact route match)
     headers       -> ApiKeyAuth        (before any body byte is read)
-                  -> RateLimit         (per key)
                   -> BodyPolicy        (content type, declared length)
     body          -> BodyPolicy.parse  (strict JSON, caps, engine knobs removed)
                   -> model access      (the key's model list)
                   -> MediaPolicy       (every media URL base64 or on an allowed domain)
+                  -> RateLimit         (per key: rpm, tpm, concurrency, budget; settled at the end)
                   -> Router            (balancer, upstream, relay)
 
 Every refusal is rendered in the route's error shape. No client header other than an allow-list
@@ -26,6 +26,7 @@ from . import logs, metrics, tracing
 from .errors import Refusal, model_not_found
 from .filters import RequestContext
 from .filters.auth import ApiKeyAuth, key_id, model_allowed
+from .filters.uploads import UPLOAD_BUSY, UploadBudget, UploadGrant
 from .filters.body import BodyPolicy
 from .filters.cors import CorsPolicy
 from .filters.limits import RateLimit
@@ -84,12 +85,13 @@ class Listener:
         local: LocalRoutes,
         router: Router,
         max_body: int,
+        max_upload_per_key: int = 128 * 1024 * 1024,
         access_log: bool = False,
         startup: Lifecycle | None = None,
         shutdown: Lifecycle | None = None,
         cors: CorsPolicy | None = None,
         tracer: tracing.Tracing | None = None,
-        observe: Callable[[RequestContext, int, float], None] | None = None,
+        observe: Callable[[RequestContext | None, int, float, str | None], None] | None = None,
     ):
         self.paths = paths
         self.auth = auth
@@ -99,12 +101,13 @@ class Listener:
         self.local = local
         self.router = router
         self.max_body = max_body
+        self.uploads = UploadBudget(max_upload_per_key)  # body bytes being received at once, per key
         self.access_log = access_log
         self._startup = startup
         self._shutdown = shutdown
         self.cors = cors
         self.tracer = tracer if tracer is not None and tracer.enabled else None
-        self.observe = observe  # e.g. the admin listener's live stats: (ctx, status, seconds)
+        self.observe = observe  # e.g. the admin listener's live stats: (ctx or None if unrouted, status, seconds, refusal reason)
         self._counters: dict[tuple[str, int], Any] = {}
         self._histograms: dict[str, Any] = {}
 
@@ -119,7 +122,15 @@ class Listener:
     # -- lifespan ---------------------------------------------------------------------------
     async def lifespan(self, receive: Receive, send: Send) -> None:
         while True:
-            message = await receive()
+            try:
+                message = await receive()
+            except asyncio.CancelledError:
+                # A forced stop (a second Ctrl-C) skips the shutdown message: still stop what
+                # start-up started (launched backends), and end quietly rather than with a traceback.
+                if self._shutdown is not None:
+                    log.warning("forced to stop: stopping launched backends now")
+                    await self._shutdown()
+                return
             if message["type"] == "lifespan.startup":
                 try:
                     if self._startup is not None:
@@ -169,8 +180,8 @@ class Listener:
             if histogram is None:
                 histogram = self._histograms[kind] = metrics.LATENCY.labels(route=kind)
             histogram.observe(elapsed)
-        if self.observe is not None and ctx is not None:
-            self.observe(ctx, status, elapsed)
+        if self.observe is not None:
+            self.observe(ctx, status, elapsed, reason)
         if self.access_log:
             self._log_access(scope, ctx, status, elapsed, rid, reason)
 
@@ -222,11 +233,18 @@ class Listener:
         if isinstance(resolved, Refusal):
             return resolved
         headers: dict[bytes, bytes] = {}
+        repeated: dict[bytes, list[bytes]] | None = None
         for name, value in scope["headers"]:
             if name in headers:
-                headers[name] += b"\x00" + value  # marks a repeated header; auth and body refuse those
+                # Joined once at the end (linear); b"\x00" marks a repeated header, which auth and body refuse.
+                if repeated is None:
+                    repeated = {}
+                repeated.setdefault(name, [headers[name]]).append(value)
             else:
                 headers[name] = value
+        if repeated:
+            for name, values in repeated.items():
+                headers[name] = b"\x00".join(values)
         return RequestContext(scope, resolved, headers)
 
     async def _run(self, ctx: RequestContext, receive: Receive, send: Send) -> int:
@@ -238,14 +256,24 @@ class Listener:
         if refusal is None:
             refusal = self.body.check_headers(ctx)
         if refusal is not None:
-            # The body was never read: close the connection rather than drain it for the client.
+            # The body was never read: the connection ends after the answer (the server drains what
+            # the client still sends, bounded, so a client that writes its body first reads this).
             return await self._refuse(ctx, send, refusal, close=_has_body(ctx))
+        grant = self.uploads.grant(ctx)
+        if grant is None:
+            return await self._refuse(ctx, send, UPLOAD_BUSY, close=True)
         try:
-            raw = await self._read_body(receive)
+            return await self._run_body(ctx, grant, receive, send)
+        finally:
+            grant.release()  # the body is held until the request is over
+
+    async def _run_body(self, ctx: RequestContext, grant: UploadGrant, receive: Receive, send: Send) -> int:
+        try:
+            raw = await self._read_body(receive, grant)
         except _ClientGone:
             return 499
-        if raw is None:
-            return await self._refuse(ctx, send, self.body.too_large, close=True)
+        if isinstance(raw, Refusal):
+            return await self._refuse(ctx, send, raw, close=True)
         refusal = _check(ctx, "filter.body", lambda ctx: self.body.parse(ctx, raw))
         if refusal is None and not model_allowed(ctx.key, ctx.model or ""):
             refusal = model_not_found(ctx.model or "")
@@ -272,14 +300,16 @@ class Listener:
         ctx.refusal = refusal.reason
         return await refuse(send, refusal, ctx.style, close=close)
 
-    async def _read_body(self, receive: Receive) -> bytes | None:
-        """The whole body, or None once it passes the size cap (we stop reading there)."""
+    async def _read_body(self, receive: Receive, grant: UploadGrant) -> bytes | Refusal:
+        """The whole body, or a refusal once it passes the size cap or the key's upload budget (we stop reading there)."""
         first = await receive()
         if first["type"] != "http.request":
             raise _ClientGone()
         body = first.get("body", b"")
         if not first.get("more_body", False):
-            return body if len(body) <= self.max_body else None
+            if len(body) > self.max_body:
+                return self.body.too_large
+            return body if grant.grow(len(body)) else UPLOAD_BUSY
         parts = [body]
         size = len(body)
         while True:
@@ -289,7 +319,9 @@ class Listener:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body:
-                return None
+                return self.body.too_large
+            if not grant.grow(size):
+                return UPLOAD_BUSY
             parts.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(parts)

@@ -42,3 +42,6 @@ TTFB = Histogram(
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
     registry=REGISTRY,
 )
+# The launcher's instances (gateway/launcher), beside the backends they become.
+LAUNCHED_STATE = Gauge("gateway_launched_instance_state", "1 for the state each launched instance is in", ["instance", "state"], registry=REGISTRY)
+LAUNCHED_RESTARTS = Counter("gateway_launched_instance_restarts_total", "Restarts of each launched instance", ["instance"], registry=REGISTRY)

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-import sys
 from typing import AsyncIterator
 from urllib.parse import urlsplit
 
@@ -40,19 +39,16 @@ import httpx
 from httpx_aiohttp import AiohttpTransport
 from yarl import URL
 
+from ._compat import timeout as _timeout
 from .config import TimeoutsConfig, UpstreamConfig
 from .h1 import ConnectFailed, ConnectionLost, ConnectTimeout, H1Pool, InvalidResponse
-
-if sys.version_info >= (3, 11):
-    from asyncio import timeout as _timeout
-else:  # pragma: no cover - Python 3.10
-    from ._compat import timeout as _timeout
 
 # Request headers a client may pass through; everything else is dropped (allow-list).
 FORWARD_REQUEST_HEADERS = (b"accept", b"anthropic-version", b"anthropic-beta")
 # Response headers a client may see from a backend.
 FORWARD_RESPONSE_HEADERS = frozenset((b"content-type", b"retry-after"))
 TRANSPORTS = ("native", "aiohttp")
+EVENTS_PER_LINE = 4  # an SSE event may hold a few lines of the longest size
 _KEEPALIVE = 4.0  # below uvicorn's 5 s default, so we close idle sockets before the backend does
 
 
@@ -107,12 +103,25 @@ class UpstreamResponse:
 
 
 async def _line_bounded(chunks: AsyncIterator[bytes], max_line: int) -> AsyncIterator[bytes]:
-    run = 0  # bytes since the last newline
+    """Relays chunks while no line exceeds ``max_line`` and no SSE event ``EVENTS_PER_LINE`` times that."""
+    max_event = max_line * EVENTS_PER_LINE
+    line = event = 0  # bytes since the last newline / the last blank line
+    tail = b""  # the last byte of the previous chunk: a blank line may straddle two chunks
     async for chunk in chunks:
         nl = chunk.rfind(b"\n")
-        run = run + len(chunk) if nl < 0 else len(chunk) - nl - 1
-        if run > max_line:
+        line = line + len(chunk) if nl < 0 else len(chunk) - nl - 1
+        end = max(chunk.rfind(b"\n\n"), chunk.rfind(b"\n\r\n"))
+        if end >= 0:
+            event = len(chunk) - end - 2
+        elif tail == b"\n" and (chunk.startswith(b"\n") or chunk.startswith(b"\r\n")):
+            event = len(chunk)
+        else:
+            event += len(chunk)
+        tail = chunk[-1:]
+        if line > max_line:
             raise UpstreamInvalid("line_too_long")
+        if event > max_event:
+            raise UpstreamInvalid("event_too_long")
         yield chunk
 
 

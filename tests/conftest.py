@@ -13,3 +13,15 @@ from support import TestKeys  # noqa: E402
 @pytest.fixture(scope="session")
 def keys() -> TestKeys:
     return TestKeys()
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    """One real redis-server for the session (tests isolate themselves with their own key prefix)."""
+    from redisd import RedisServer
+
+    server = RedisServer()
+    try:
+        yield server
+    finally:
+        server.close()

@@ -1,37 +1,30 @@
 """Test harness: real servers on loopback sockets.
 
 - ``Sim``: a simulated api_server in its own process (``python -m gateway.sim``).
-- ``GatewayServer``: the gateway under uvicorn in a background thread, from a config dict.
+- ``GatewayServer``: the gateway on its own HTTP server (gateway/server, what ``gateway serve``
+  runs) in a background thread, from a config dict.
 Both are context managers and stop what they started; every wait is bounded.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, AsyncIterator, Iterator
 
 import httpx
-import uvicorn
 
+from gateway import server as http_server
 from gateway.app import Gateway
 from gateway.config import parse_config
 from gateway.filters.auth import hash_key, new_key
+from gateway.launcher.guard import group_members
+from gateway.sim.process import SimProcess, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def alive(pid: int) -> bool:
@@ -53,72 +46,45 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.02, what: s
     raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
 
 
-class Sim:
-    """A simulated api_server subprocess on a free loopback port."""
+class Sim(SimProcess):
+    """A simulated api_server subprocess on a free loopback port (``gateway.sim.process.SimProcess``)."""
 
-    def __init__(self, model: str = "test-model", *args: str, api_key: str | None = None, port: int | None = None, ready: bool = True):
-        self.model = model
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.api_key = api_key
-        argv = [sys.executable, "-m", "gateway.sim", "--port", str(self.port), "--model", model, *args]
-        if api_key:
-            argv += ["--api-keys", api_key]
-        self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-        self.client = httpx.Client(base_url=self.url, timeout=10.0)
-        if ready:
-            self.wait_ready()
+    def __init__(self, model: str = "test-model", *args: str, api_key: str | None = None, host: str = "127.0.0.1", port: int | None = None, ready: bool = True):
+        super().__init__(*args, model=model, api_key=api_key, host=host, port=port, ready=ready)
 
-    def wait_ready(self, timeout: float = 15.0) -> None:
-        def up() -> bool:
-            if self.proc.poll() is not None:
-                err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
-                raise RuntimeError(f"sim exited with {self.proc.returncode}: {err[-2000:]}")
-            try:
-                return self.client.get("/health").status_code == 200
-            except httpx.HTTPError:
-                return False
+    @property
+    def client(self) -> httpx.Client:
+        return self.http
 
-        wait_until(up, timeout, 0.05, f"sim on port {self.port}")
+    @client.setter
+    def client(self, value: httpx.Client) -> None:
+        self.http = value
 
-    def requests(self) -> list[dict[str, Any]]:
-        return self.client.get("/_sim/requests").json()
 
-    def clear(self) -> None:
-        self.client.delete("/_sim/requests")
+def launched_pids(launcher: Any) -> set[int]:
+    """Every process of every launched instance: its guard and the guard's whole process group."""
+    return {p for inst in launcher.instances if inst.pid for p in (inst.pid, *group_members(inst.pid))}
 
-    def control(self, **settings: Any) -> dict[str, Any]:
-        r = self.client.post("/_sim/control", json=settings)
-        r.raise_for_status()
-        return r.json() if r.content else {}
 
-    def stats(self) -> dict[str, Any]:
-        return self.client.get("/_sim/stats").json()
+@contextlib.asynccontextmanager
+async def launched(launcher: Any, stop_grace: float = 5.0, *, processes: bool = True) -> AsyncIterator[set[int]]:
+    """Start a ``Launcher``; on the way out stop it and wait (bounded) until none of its processes is alive.
 
-    def stop(self) -> None:
-        self.client.close()
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(5)
-        if self.proc.stderr:
-            self.proc.stderr.close()
-
-    def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(5)
-
-    def __enter__(self) -> "Sim":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
+    Yields a set the test may add pids to (say, of an instance that later died); the processes
+    still running at the end are added to it. ``processes=False``: the test may end with none.
+    """
+    pids: set[int] = set()
+    await launcher.start()
+    try:
+        yield pids
+    finally:
+        pids |= launched_pids(launcher)
+        await launcher.stop(stop_grace)
+    assert pids or not processes, "the launcher ran no process: this test checks nothing"
+    deadline = time.monotonic() + 5.0
+    while any(alive(p) for p in pids):
+        assert time.monotonic() < deadline, f"pids {sorted(p for p in pids if alive(p))} outlived stop()"
+        await asyncio.sleep(0.02)
 
 
 class TestKeys:
@@ -134,29 +100,20 @@ class TestKeys:
 
 
 class GatewayServer:
-    """The gateway under uvicorn (uvloop + httptools) in a thread, on a free loopback port."""
+    """The gateway on our HTTP/1.1 server (uvloop) in a thread, on a free loopback port."""
 
-    def __init__(self, config: dict[str, Any], *, wait_healthy: bool = True):
+    def __init__(self, config: dict[str, Any], *, wait_healthy: bool = True, **gateway_options: Any):
         config = dict(config)
         self.port = free_port()
         config.setdefault("server", {})
         config["server"] = {**config["server"], "host": "127.0.0.1", "port": self.port}
         self.config = parse_config(config, base_dir=ROOT)
-        self.gateway = Gateway(self.config)
+        self.gateway = Gateway(self.config, **gateway_options)
         self.url = f"http://127.0.0.1:{self.port}"
-        ucfg = uvicorn.Config(
-            self.gateway.asgi(),
-            host="127.0.0.1",
-            port=self.port,
-            loop="uvloop",
-            http="httptools",
-            lifespan="on",
-            log_level="warning",
-            access_log=False,
-            timeout_graceful_shutdown=int(self.config.timeouts.drain) or None,
-        )
-        self.server = uvicorn.Server(ucfg)
-        self.thread = threading.Thread(target=self.server.run, name=f"gateway-{self.port}", daemon=True)
+        sock = http_server.bind("127.0.0.1", self.port)
+        self.server = http_server.Server(self.gateway.asgi(), self.config.server, drain=self.config.timeouts.drain, sockets=[sock])
+        self.result: list[int] = []
+        self.thread = threading.Thread(target=self._run, name=f"gateway-{self.port}", daemon=True)
         self.thread.start()
         wait_until(lambda: self.server.started or not self.thread.is_alive(), 30, 0.01, "gateway start")
         if not self.server.started:
@@ -164,8 +121,15 @@ class GatewayServer:
         if wait_healthy and len(self.gateway.pool):
             wait_until(lambda: any(b.healthy for b in self.gateway.pool), 30, 0.02, "a healthy backend")
 
+    def _run(self) -> None:
+        loop = http_server.new_loop()
+        try:
+            self.result.append(loop.run_until_complete(self.server.run(install_signals=False)))
+        finally:
+            loop.close()
+
     def stop(self) -> None:
-        self.server.should_exit = True
+        self.server.request_stop()
         self.thread.join(30)
 
     def __enter__(self) -> "GatewayServer":

@@ -25,6 +25,8 @@ import pytest
 
 import gateway
 
+pytestmark = pytest.mark.unit
+
 PACKAGE = Path(gateway.__file__).resolve().parent
 
 LAYERS: list[tuple[str, int]] = [

@@ -20,6 +20,8 @@ from gateway.routing.pool import Backend
 from gateway.routing.prefix import BOUNDARIES, MAX_PREFIX_CHARS, PrefixMemory, key_tokens, prefix_keys, scan_prompt
 from gateway.routing.signals import Signals
 
+pytestmark = pytest.mark.unit
+
 SIGMA0 = ExpectedLatencyBalancer.SIGMA0
 GAMMA0 = ExpectedLatencyBalancer.GAMMA0
 RHO0 = ExpectedLatencyBalancer.RHO0

@@ -12,6 +12,8 @@ import pytest
 
 from support import GatewayServer, Sim, gateway_config
 
+pytestmark = pytest.mark.e2e
+
 MODEL = "test-model"
 TIMING = ("--tpot", "0.01", "--ttft", "0.005", "--metrics-interval", "1")
 

@@ -11,6 +11,8 @@ from gateway.routing.policies import make_balancer
 from gateway.routing.pool import Backend
 from gateway.routing.signals import MetricsScraper, Signals, parse_metrics, update_signals
 
+pytestmark = pytest.mark.unit
+
 EXPOSITION = """\
 # HELP lmdeploy:num_requests_running Number of requests in model execution batches.
 # TYPE lmdeploy:num_requests_running gauge

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -11,6 +12,8 @@ from gateway.config import LimitsConfig
 from gateway.filters import RequestContext
 from gateway.filters.body import BodyPolicy
 from gateway.routes import ROUTES
+
+pytestmark = pytest.mark.unit
 
 ROUTE = ROUTES[("POST", "/v1/chat/completions")]
 policy = BodyPolicy(LimitsConfig())

@@ -11,6 +11,8 @@ import pytest
 from gateway.config import ConfigError, parse_config
 from gateway.filters.auth import hash_key
 
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parent.parent
 HASH = hash_key("sk-test")
 GOOD = {"auth": {"keys": [{"name": "a", "hash": HASH}]}, "backends": [{"url": "http://127.0.0.1:23333"}]}
@@ -41,7 +43,7 @@ def test_every_problem_is_reported_at_once_word_for_word():
     }
     assert problems(data) == [
         "server.log_level: ' LOUD ' is not a valid choice; choose one of: critical, error, warning, info, debug",
-        "server.prot: unknown field (did you mean 'port'?); valid fields: access_log, cors, host, log_level, port",
+        "server.prot: unknown field (did you mean 'port'?); valid fields: access_log, body_timeout, cors, header_timeout, host, http, keepalive_timeout, linger_bytes, linger_timeout, log_level, max_connections, max_header_bytes, max_headers, max_request_line_bytes, port",
         "backends[0].url: 'ftp://x' must start with http:// or https://",
         "backends[1].url: 'http://h:1/v1' must be a base URL with no path, query or fragment",
         "limits.max_body_bytes: expected an integer, got 'big'",

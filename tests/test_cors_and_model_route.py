@@ -9,6 +9,8 @@ import pytest
 from gateway.config import ConfigError, parse_config
 from support import gateway_with_sims
 
+pytestmark = pytest.mark.e2e
+
 MODEL = "test-model"
 ORIGIN = "https://app.example.com"
 

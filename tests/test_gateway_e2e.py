@@ -8,7 +8,9 @@ import openai
 import orjson
 import pytest
 
-from support import gateway_with_sims
+from support import gateway_with_sims, wait_until
+
+pytestmark = pytest.mark.e2e
 
 MODEL = "test-model"
 
@@ -293,10 +295,11 @@ def test_client_disconnect_cancels_the_upstream_request(setup):
     sim.control(ttft=5.0)
     try:
         body = orjson.dumps(chat_body(max_tokens=4))
+        pending = sim.stats()["pending"]
         with socket.create_connection(("127.0.0.1", gw.port), timeout=5) as s:
             s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + keys.alice.encode()
                       + b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-            time.sleep(0.5)
+            wait_until(lambda: sim.stats()["pending"] > pending, 5, 0.02, "the request to reach the backend")
         deadline = time.monotonic() + 5
         while sim.stats()["aborted"] == before and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -14,6 +14,8 @@ from gateway.config import TimeoutsConfig
 from gateway.upstream import NativeUpstream, UpstreamFailure
 from support import free_port, wait_until
 
+pytestmark = pytest.mark.e2e
+
 
 async def app(scope, receive, send):
     if scope["type"] != "http":
@@ -87,8 +89,11 @@ def test_a_large_stream_arrives_whole_with_a_slow_consumer(server):
         up._tls = ctx
         r = await up.open(base + "/big", b"{}", [])
         total = 0
-        await asyncio.sleep(0.3)  # the server runs ahead: past the high-water mark reading pauses
         conn = r._close.__self__._conn
+        # The server runs ahead: past the high-water mark reading pauses (a bounded wait for that).
+        deadline = asyncio.get_running_loop().time() + 10
+        while not conn._paused and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
         paused_at_peak = conn._paused and conn.buffered > (1 << 20)
         async for chunk in r.chunks():
             total += len(chunk)
@@ -111,3 +116,99 @@ def test_connection_refused_is_a_connect_failure():
         return exc.value.kind
 
     assert run(go()) == "connect_refused"
+
+
+# -- an untrusted backend: the client's own checks, against a raw socket server in the same loop ---------
+async def raw_backend(answer: bytes):
+    """Answers every request on a connection with ``answer``; returns (server, url, connection count)."""
+    seen = {"connections": 0}
+
+    async def serve(reader, writer):
+        seen["connections"] += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                await reader.readexactly(length)
+                writer.write(answer)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    srv = await asyncio.start_server(serve, "127.0.0.1", 0)
+    return srv, f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}/v1/chat/completions", seen
+
+
+def ok(body: bytes = b'{"ok": 1}') -> bytes:
+    return b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+
+
+async def fetch(up: NativeUpstream, url: str) -> bytes:
+    r = await up.open(url, b"{}", [])
+    try:
+        return await up.read_all(r)
+    finally:
+        await r.aclose()
+
+
+@pytest.mark.parametrize(
+    "answer, reason",
+    [
+        (b"HTTP/1.1 103 Early Hints\r\nlink: </x>\r\n\r\n" + ok(), "status_103"),
+        (b"HTTP/1.1 101 Switching Protocols\r\nupgrade: h2c\r\nconnection: upgrade\r\n\r\n", "status_101"),
+        (b"HTTP/1.1 200 OK\r\n" + b"".join(b"x-%d: v\r\n" % i for i in range(20)) + b"content-length: 0\r\n\r\n", "too_many_headers"),
+        (b"HTTP/1.1 200 OK\r\nx-big: " + b"a" * 5000 + b"\r\ncontent-length: 0\r\n\r\n", "headers_too_large"),
+        (b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\n", "malformed"),
+        (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 5000\r\n\r\n{}", "body_too_large"),
+    ],
+)
+def test_what_the_client_refuses_and_why(answer, reason):
+    from gateway.config import UpstreamConfig
+    from gateway.upstream import UpstreamInvalid
+
+    async def go():
+        srv, url, seen = await raw_backend(answer)
+        up = NativeUpstream(TimeoutsConfig(first_byte=5), UpstreamConfig(max_header_bytes=4096, max_headers=16, max_response_bytes=1024))
+        try:
+            with pytest.raises(UpstreamInvalid) as exc:
+                await fetch(up, url)
+            assert not any(p.idle for p in up._pools.values()), "a connection that broke the rules is never reused"
+            return exc.value.reason
+        finally:
+            await up.aclose()
+            srv.close()
+            await srv.wait_closed()
+
+    assert run(go()) == reason
+
+
+def test_100_continue_is_skipped_and_the_connection_kept():
+    async def go():
+        srv, url, seen = await raw_backend(b"HTTP/1.1 100 Continue\r\n\r\n" + ok())
+        up = NativeUpstream(TimeoutsConfig(first_byte=5))
+        try:
+            bodies = [await fetch(up, url), await fetch(up, url)]
+            return bodies, seen["connections"]
+        finally:
+            await up.aclose()
+            srv.close()
+            await srv.wait_closed()
+
+    assert run(go()) == ([b'{"ok": 1}', b'{"ok": 1}'], 1)
+
+
+def test_a_second_response_in_the_same_packet_is_dropped_with_the_connection():
+    async def go():
+        srv, url, seen = await raw_backend(ok() + ok(b'{"injected": 1}'))
+        up = NativeUpstream(TimeoutsConfig(first_byte=5))
+        try:
+            bodies = [await fetch(up, url), await fetch(up, url)]
+            return bodies, seen["connections"]
+        finally:
+            await up.aclose()
+            srv.close()
+            await srv.wait_closed()
+
+    assert run(go()) == ([b'{"ok": 1}', b'{"ok": 1}'], 2)  # the second request had to open a new connection

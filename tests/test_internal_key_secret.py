@@ -26,6 +26,8 @@ from gateway.launcher.spawn import SHIM, launch_argv, plan_group, python_of
 from gateway.routing.pool import BackendPool
 from support import ROOT, alive
 
+pytestmark = pytest.mark.e2e
+
 FAKE_LMDEPLOY = ROOT / "tests" / "fixtures" / "fake_lmdeploy"
 FAST = {"health_interval": 0.2, "restart_backoff": 0.05, "restart_backoff_max": 0.2}
 ASYNC = pytest.mark.asyncio(loop_scope="session")
@@ -65,7 +67,9 @@ async def until(predicate, timeout: float, what: str) -> None:
 
 
 async def launch_and_check(tmp_path: Path, group: dict, env: dict[str, str] | None = None, gpus=()) -> None:
-    pool = BackendPool(HealthConfig())
+    pool = BackendPool(HealthConfig(interval=0.1, timeout=1.0))
+    health_client = httpx.AsyncClient(trust_env=False)
+    pool.start(health_client)  # as the gateway does: the pool owns health
     devices = lambda device: (tuple(str(g) for g in gpus), "test devices")  # noqa: E731
     lm = Launcher(groups(group), pool, log_dir=tmp_path / "logs", poll_interval=0.05, stop_grace=5.0, devices=devices, env=env, progress=io.StringIO())
     await lm.start()
@@ -93,6 +97,8 @@ async def launch_and_check(tmp_path: Path, group: dict, env: dict[str, str] | No
         assert "--api-keys '***'" in logs  # the log shows where the key goes, not the key
     finally:
         await lm.stop(5)
+        await pool.stop()
+        await health_client.aclose()
     await until(lambda: not any(alive(p) for p in pids), 5, "every launched process gone")
 
 
@@ -155,3 +161,58 @@ def test_a_console_script_runs_under_its_own_interpreter(tmp_path):
     assert argv[7:10] == ["serve", "api_server", "m"] and "--api-keys" not in argv
     module = plan_group(group, lambda d: (("0",), "test"), lambda: ((sys.executable, "-m", "lmdeploy"), "test"))
     assert launch_argv(module, 1234, 7)[:7] == [sys.executable, SHIM, "--key-fd", "7", "--module", "lmdeploy", "--"]
+
+
+# -- the contract with the real lmdeploy CLI, where an interpreter with lmdeploy is at hand ------------------
+LMDEPLOY_PROBE = """
+import json, os, sys
+from lmdeploy.cli.serve import SubCliServe
+
+def api_server(args):  # stands in for serving: report what lmdeploy's own parser read
+    cmdline = open(f"/proc/{os.getpid()}/cmdline", "rb").read()
+    print(json.dumps({"api_keys": args.api_keys, "server_name": args.server_name, "server_port": args.server_port,
+                      "model_name": args.model_name, "backend": args.backend, "tp": args.tp,
+                      "key_in_cmdline": args.api_keys[0].encode() in cmdline}))
+
+SubCliServe.api_server = staticmethod(api_server)
+from lmdeploy.cli import run
+run()
+"""
+
+
+def lmdeploy_python() -> str | None:
+    """An interpreter that imports lmdeploy's CLI: $LMDEPLOY_GATEWAY_TEST_LMDEPLOY_PYTHON, or ours."""
+    python = os.environ.get("LMDEPLOY_GATEWAY_TEST_LMDEPLOY_PYTHON") or sys.executable
+    try:
+        ok = subprocess.run([python, "-c", "import lmdeploy.cli"], capture_output=True, timeout=300).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        ok = False
+    return python if ok else None
+
+
+def test_lmdeploys_own_parser_reads_the_key_the_shim_hands_it(tmp_path):
+    python = lmdeploy_python()
+    if python is None:
+        pytest.skip("lmdeploy is not importable (set LMDEPLOY_GATEWAY_TEST_LMDEPLOY_PYTHON to an interpreter that has it)")
+    model = tmp_path / "model"
+    model.mkdir()  # a local path: lmdeploy's entry point would try to download anything else
+    probe = tmp_path / "probe.py"
+    probe.write_text(LMDEPLOY_PROBE)
+    group = groups({"model": str(model), "model_name": "chat", "engine": "lmdeploy", "gpus": [0]})[0]
+    plan = plan_group(group, lambda d: (("0",), "test"), lambda: ((python, "-m", "lmdeploy"), "test"))
+    r, w = os.pipe()
+    os.write(w, b"0123abcd" * 8)
+    os.close(w)
+    try:
+        argv = launch_argv(plan, 23456, r)
+        assert argv[4:6] == ["--module", "lmdeploy"]
+        argv[4:6] = ["--script", str(probe)]  # lmdeploy's CLI, with serving replaced by a report
+        out = subprocess.run(argv, pass_fds=(r,), capture_output=True, text=True, timeout=300)
+    finally:
+        os.close(r)
+    assert out.returncode == 0, out.stderr[-2000:]
+    import json
+
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen == {"api_keys": ["0123abcd" * 8], "server_name": "127.0.0.1", "server_port": 23456, "model_name": "chat",
+                    "backend": "turbomind", "tp": 1, "key_in_cmdline": False}  # fmt: skip

@@ -20,6 +20,8 @@ from gateway.launcher.spawn import (
     sim_argv,
 )
 
+pytestmark = pytest.mark.unit
+
 KEY = "internal-key-for-tests"
 
 

@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -15,6 +14,8 @@ import pytest
 import yaml
 
 from support import ROOT, GatewayServer, alive, free_port, gateway_config, wait_until
+
+pytestmark = pytest.mark.e2e
 
 LAUNCH = {"model": "sim-model", "model_name": "chat", "engine": "sim", "health_interval": 0.2, "restart_backoff": 0.05}
 
@@ -68,13 +69,13 @@ def test_the_gateway_keeps_answering_while_a_killed_instance_restarts_and_rejoin
             for w in workers:
                 w.start()
             try:
-                time.sleep(0.3)
+                wait_until(lambda: len(results) >= 12, 10, 0.01, "traffic flowing")
                 victim = launcher.instances[1]
                 server_pid = max(descendants(victim.pid))
                 os.kill(server_pid, signal.SIGKILL)
                 wait_until(lambda: victim.restarts == 1 and victim.state == "healthy", 15, 0.02, "the killed instance back")
                 served_before = len(results)
-                time.sleep(0.3)
+                wait_until(lambda: len(results) >= served_before + 12, 10, 0.01, "traffic after the restart")
             finally:
                 stop.set()
                 for w in workers:

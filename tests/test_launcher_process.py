@@ -30,11 +30,12 @@ from gateway.launcher import Launcher
 from gateway.launcher import process as launcher_process
 from gateway.launcher.guard import group_members
 from gateway.routing.pool import Backend, BackendPool
-from support import alive
+from support import alive, launched
+from support import launched_pids as pids_of
 
 ROOT = Path(__file__).resolve().parent.parent
 FAKE_LMDEPLOY = ROOT / "tests" / "fixtures" / "fake_lmdeploy"
-pytestmark = pytest.mark.asyncio(loop_scope="session")  # the loop the async fixtures use
+pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="session")]  # the loop the async fixtures use
 
 FAST = {"health_interval": 0.2, "restart_backoff": 0.05, "restart_backoff_max": 0.2}
 
@@ -50,25 +51,30 @@ def sim_group(**fields) -> dict:
     return {"model": "sim-model", "model_name": "chat", "engine": "sim", **FAST, **fields}
 
 
+class CheckedLauncher(Launcher):
+    """The launcher with its pool's health checker running, started and stopped as the gateway does."""
+
+    async def start(self) -> None:
+        self._health_client = httpx.AsyncClient(trust_env=False, timeout=5.0)
+        self.pool.start(self._health_client)
+        await super().start()
+
+    async def stop(self, grace: float | None = None) -> None:
+        await super().stop(grace)
+        await self.pool.stop()
+        await self._health_client.aclose()
+
+
 def launcher(tmp_path: Path, *launch: dict, env: dict | None = None, gpus=(), **kwargs) -> tuple[Launcher, BackendPool]:
-    pool = BackendPool(HealthConfig())
+    pool = BackendPool(HealthConfig(interval=0.1, timeout=1.0))
     kwargs.setdefault("progress", io.StringIO())
     devices = lambda device: (tuple(str(g) for g in gpus), "test devices")  # noqa: E731
-    lm = Launcher(groups(*launch), pool, log_dir=tmp_path / "logs", poll_interval=0.05, stop_grace=5.0, devices=devices, env=env, **kwargs)
+    lm = CheckedLauncher(groups(*launch), pool, log_dir=tmp_path / "logs", poll_interval=0.05, stop_grace=5.0, devices=devices, env=env, **kwargs)
     return lm, pool
 
 
 def fake_lmdeploy_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PATH": f"{FAKE_LMDEPLOY}{os.pathsep}{os.environ['PATH']}", "FAKE_LMDEPLOY_PYTHON": sys.executable, **extra}
-
-
-def pids_of(lm: Launcher) -> set[int]:
-    """Every process of every instance: the guard and its whole process group."""
-    out: set[int] = set()
-    for inst in lm.instances:
-        if inst.pid:
-            out |= {inst.pid, *group_members(inst.pid)}
-    return out
 
 
 async def until(predicate, timeout: float, what: str) -> None:
@@ -78,11 +84,6 @@ async def until(predicate, timeout: float, what: str) -> None:
             return
         await asyncio.sleep(0.02)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
-async def assert_gone(pids: set[int], timeout: float = 5.0) -> None:
-    assert pids
-    await until(lambda: not any(alive(p) for p in pids), timeout, f"pids {sorted(p for p in pids if alive(p))} to exit")
 
 
 def chat(model: str = "chat", max_tokens: int = 4, stream: bool = False) -> dict:
@@ -100,12 +101,12 @@ async def test_instances_join_the_pool_only_once_healthy_and_answer_only_the_int
     out = io.StringIO()
     lm, pool = launcher(tmp_path, sim_group(instances=3, sim={"startup_delay": 0.5, "initializing_for": 0.3}), progress=out, progress_tty=True)
     t0 = time.monotonic()
-    await lm.start()
-    try:
+    async with launched(lm):
         assert time.monotonic() - t0 < 1.0, "start() must return while instances load"
-        assert len(pool) == 0
+        assert pool.eligible("chat") == []
         await until(lambda: any(i.state == "loading" for i in lm.instances), 5, "loading")
-        assert len(pool) == 0, "a loading instance is not in rotation"
+        assert pool.eligible("chat") == [], "a loading instance is not in rotation"
+        assert all(b.health_status != "healthy" for b in pool if b.id in {i.id for i in lm.instances if i.state == "loading"})
         assert await lm.wait_ready(15)
         await until(lambda: lm.status()["healthy"] == 3, 15, "3 healthy instances")
         backends = list(pool)
@@ -128,10 +129,7 @@ async def test_instances_join_the_pool_only_once_healthy_and_answer_only_the_int
         text = out.getvalue()
         assert "chat#0 loading" in text and "chat#2 healthy" in text
         ports = [int(b.url.rsplit(":", 1)[1]) for b in backends]
-    finally:
-        await lm.stop(5)
     assert len(pool) == 0
-    await assert_gone(pids)
     assert all(launcher_process.port_is_free(p) for p in ports), "a second start must find the ports free"
     assert [r["state"] for r in lm.status()["instances"]] == ["stopped"] * 3
     logs = sorted((tmp_path / "logs").glob("*.log"))
@@ -142,21 +140,17 @@ async def test_instances_join_the_pool_only_once_healthy_and_answer_only_the_int
 async def test_several_groups_serve_several_models_beside_remote_backends_which_are_never_touched(tmp_path):
     lm, pool = launcher(tmp_path, sim_group(instances=1), sim_group(model="other-model", model_name="other", instances=1))
     remote = pool.add(Backend(id="chat#0", url="http://10.0.0.12:23333", api_key="theirs", models=frozenset({"chat"})))
-    await lm.start()
-    try:
+    async with launched(lm):
         await until(lambda: lm.status()["healthy"] == 2, 10, "healthy")
         assert {b.id: b.models for b in pool if b.origin == "launched"} == {"chat#1": frozenset({"chat"}), "other#0": frozenset({"other"})}
         assert pool.get("chat#0") is remote and remote.api_key == "theirs"
-    finally:
-        await lm.stop(5)
     assert list(pool) == [remote]
 
 
 # -- supervision ----------------------------------------------------------------------------------------------
 async def test_kill_9_under_load_keeps_serving_from_the_others_and_the_dead_one_rejoins(tmp_path, client):
     lm, pool = launcher(tmp_path, sim_group(instances=3, sim={"ttft": 0.01, "tpot": 0.002}))
-    await lm.start()
-    try:
+    async with launched(lm):
         await until(lambda: lm.status()["healthy"] == 3, 15, "3 healthy instances")
         victim = lm.instances[1]
         served: dict[str, int] = {}
@@ -184,35 +178,29 @@ async def test_kill_9_under_load_keeps_serving_from_the_others_and_the_dead_one_
                     failures.append("no backend answered")
 
         workers = [asyncio.ensure_future(traffic()) for _ in range(4)]
-        await asyncio.sleep(0.3)
+        await until(lambda: all(served.get(i.id, 0) >= 3 for i in lm.instances), 10, "traffic to every instance")
         server_pid = next(p for p in group_members(victim.pid) if p != victim.pid)
         os.kill(server_pid, signal.SIGKILL)
         backend = pool.get(victim.id)
-        await until(lambda: not backend.healthy and backend.health_status == "exited", 1.0, "the dead instance out of rotation")
+        await until(lambda: not backend.healthy and backend.health_status in ("exited", "unreachable"), 1.0, "the dead instance out of rotation")
         before = dict(served)
         await until(lambda: victim.state == "healthy" and victim.restarts == 1, 10, "the dead instance back")
         assert pool.get(victim.id).healthy
-        await asyncio.sleep(0.3)
+        await until(lambda: served.get(victim.id, 0) > before.get(victim.id, 0), 10, "the restarted instance serving")
         stop.set()
         await asyncio.gather(*workers)
         assert failures == []
         assert sum(served.values()) > sum(before.values()), "traffic kept flowing"
         assert served.get(victim.id, 0) > before.get(victim.id, 0), "the restarted instance serves again"
         assert not alive(server_pid)
-    finally:
-        pids = pids_of(lm)
-        await lm.stop(5)
-    await assert_gone(pids)
 
 
 async def test_an_instance_that_never_becomes_healthy_fails_with_the_reason(tmp_path, caplog):
     caplog.set_level(logging.INFO, "gateway.launcher")
     lm, pool = launcher(tmp_path, sim_group(instances=1, start_timeout=3.0, max_restarts=0, sim={"initializing_for": 60}))
-    await lm.start()
-    try:
-        pids = set()
+    async with launched(lm) as pids:
         await until(lambda: lm.instances[0].state == "loading" and lm.instances[0].health == "initializing", 10, "initializing")
-        pids = pids_of(lm)
+        pids |= pids_of(lm)  # the instance fails and is stopped before the end
         assert await lm.wait_ready(10) is False
         inst = lm.instances[0]
         assert inst.state == "failed"
@@ -221,9 +209,6 @@ async def test_an_instance_that_never_becomes_healthy_fails_with_the_reason(tmp_
         assert len(pool) == 0
         errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
         assert any("last lines of" in m and "sim ready on http://127.0.0.1" in m for m in errors), errors
-    finally:
-        await lm.stop(5)
-    await assert_gone(pids)
 
 
 async def test_a_crash_loop_stops_after_max_restarts_and_is_reported(tmp_path, caplog):
@@ -233,8 +218,7 @@ async def test_a_crash_loop_stops_after_max_restarts_and_is_reported(tmp_path, c
     record = tmp_path / "launches.jsonl"
     env = fake_lmdeploy_env(FAKE_LMDEPLOY_EXIT="3", FAKE_LMDEPLOY_RECORD=str(record))
     lm, pool = launcher(tmp_path, {"model": "m", "model_name": "crashy", "engine": "lmdeploy", "max_restarts": 2, **FAST}, env=env, gpus=[0])
-    await lm.start()
-    try:
+    async with launched(lm, processes=False):
         await until(lambda: lm.instances[0].state == "crash_loop", 15, "crash_loop")
         inst = lm.instances[0]
         assert inst.restarts == 2
@@ -249,49 +233,41 @@ async def test_a_crash_loop_stops_after_max_restarts_and_is_reported(tmp_path, c
         lm.update_metrics()
         assert REGISTRY.get_sample_value("gateway_launched_instance_state", {"instance": "crashy#0", "state": "crash_loop"}) == 1
         assert REGISTRY.get_sample_value("gateway_launched_instance_restarts_total", {"instance": "crashy#0"}) == 2
-        await asyncio.sleep(0.3)
+        await until(lambda: inst.task is not None and inst.task.done(), 5, "its supervisor to end: nothing left to retry")
         assert len(record.read_text().splitlines()) == 3, "no more attempts once given up"
-    finally:
-        await lm.stop(5)
 
 
 async def test_a_live_instance_that_turns_unhealthy_leaves_rotation_then_is_restarted(tmp_path, client):
     lm, pool = launcher(tmp_path, sim_group(instances=1, unhealthy_after=0.6))
-    await lm.start()
-    try:
+    async with launched(lm):
         await until(lambda: lm.status()["healthy"] == 1, 10, "healthy")
         inst, backend = lm.instances[0], pool.get("chat#0")
         first_pid = inst.pid
         r = await client.post(f"{backend.url}/_sim/control", json={"health": "unhealthy"})
         assert r.status_code == 200
         await until(lambda: not backend.healthy, 1.0, "out of rotation")
-        assert backend.health_status == "unhealthy" and inst.state == "unhealthy"
+        assert backend.health_status == "unhealthy"
+        await until(lambda: inst.state == "unhealthy", 1.0, "the launcher reading the pool's verdict")
         await until(lambda: inst.state == "healthy" and inst.restarts == 1, 10, "restarted")
         assert inst.pid != first_pid and not alive(first_pid)
         assert pool.get("chat#0").healthy
-    finally:
-        pids = pids_of(lm)
-        await lm.stop(5)
-    await assert_gone(pids)
 
 
 async def test_a_sleeping_instance_is_out_of_rotation_but_not_restarted(tmp_path, client):
     lm, pool = launcher(tmp_path, sim_group(instances=1, unhealthy_after=0.3))
-    await lm.start()
-    try:
+    async with launched(lm):
         await until(lambda: lm.status()["healthy"] == 1, 10, "healthy")
         inst, backend = lm.instances[0], pool.get("chat#0")
         headers = {"authorization": f"Bearer {lm.backend_key}"}
         assert (await client.post(f"{backend.url}/sleep", json={}, headers=headers)).status_code == 200
         await until(lambda: not backend.healthy, 1.0, "out of rotation")
-        await asyncio.sleep(0.8)
+        # Not a fixed sleep: the pool probes it again and again (each probe moves next_check), well
+        # past unhealthy_after, and the supervisor reads each verdict within its poll interval.
+        probes = {backend.next_check}
+        await until(lambda: probes.add(backend.next_check) or len(probes) > 4, 10, "four more probes of the sleeping instance")
         assert inst.restarts == 0 and backend.health_status == "sleeping"
         assert (await client.post(f"{backend.url}/wakeup", json={}, headers=headers)).status_code == 200
         await until(lambda: backend.healthy, 2.0, "back in rotation")
-    finally:
-        pids = pids_of(lm)
-        await lm.stop(5)
-    await assert_gone(pids)
 
 
 async def test_a_port_taken_before_the_instance_binds_is_retried_on_another(tmp_path, monkeypatch):
@@ -303,26 +279,21 @@ async def test_a_port_taken_before_the_instance_binds_is_retried_on_another(tmp_
     picks = iter([taken])
     monkeypatch.setattr(launcher_process, "pick_port", lambda avoid, prefer=None: next(picks, None) or real_pick(avoid))
     lm, pool = launcher(tmp_path, sim_group(instances=1, max_restarts=0))
-    try:
-        await lm.start()
-        await until(lambda: lm.status()["healthy"] == 1 or lm.failed_count(), 10, "healthy")
-        inst = lm.instances[0]
-        assert inst.state == "healthy" and inst.port != taken and inst.failures == 0
-    finally:
-        pids = pids_of(lm)
-        await lm.stop(5)
-        squatter.close()
-    await assert_gone(pids)
+    with squatter:
+        async with launched(lm):
+            await until(lambda: lm.status()["healthy"] == 1 or lm.failed_count(), 10, "healthy")
+            inst = lm.instances[0]
+            assert inst.state == "healthy" and inst.port != taken and inst.failures == 0
 
 
 # -- shutdown -------------------------------------------------------------------------------------------------
-async def test_sigterm_lets_a_streaming_request_finish_before_the_instance_exits(tmp_path, client):
+async def test_sigterm_lets_a_streaming_request_finish_before_the_instance_exits(tmp_path, client, caplog):
+    caplog.set_level(logging.INFO, "gateway.launcher")
     lm, pool = launcher(tmp_path, sim_group(instances=1, sim={"tpot": 0.03, "graceful_timeout": 10}))
-    await lm.start()
-    try:
+    async with launched(lm) as pids:
         await until(lambda: lm.status()["healthy"] == 1, 10, "healthy")
         backend = pool.get("chat#0")
-        pids = pids_of(lm)
+        pids |= pids_of(lm)
         headers = {"authorization": f"Bearer {lm.backend_key}"}
         chunks: list[str] = []
         stopping: asyncio.Future | None = None
@@ -333,19 +304,18 @@ async def test_sigterm_lets_a_streaming_request_finish_before_the_instance_exits
                     chunks.append(line[6:])
                     if stopping is None:
                         stopping = asyncio.ensure_future(lm.stop(8))
-                        await asyncio.sleep(0.1)
-                        assert not stopping.done()
+                        sigterm = lambda: any("stopping 1 instance(s)" in m.getMessage() for m in caplog.records)  # noqa: E731
+                        await until(sigterm, 5, "SIGTERM on its way")
+                        assert not stopping.done(), "stop() waits for the stream"
         assert chunks[-1] == "[DONE]"
         assert len(chunks) > 20, "the whole stream arrived"
         await stopping
-    finally:
-        await lm.stop(5)
-    await assert_gone(pids)
 
 
 GATEWAY_SCRIPT = textwrap.dedent(
     """
     import asyncio, json, sys
+    import httpx
     from gateway.config import HealthConfig
     from gateway.config.fields import Problems, Section
     from gateway.config.launch import read_launch
@@ -357,8 +327,9 @@ GATEWAY_SCRIPT = textwrap.dedent(
         problems = Problems()
         launch = {"model": "m", "model_name": "chat", "engine": "lmdeploy", "gpus": [0, 1], "health_interval": 0.2}
         groups = read_launch(Section({"launch": launch}, "", problems), env={})
-        lm = Launcher(groups, BackendPool(HealthConfig()), log_dir=sys.argv[1], poll_interval=0.05,
-                      devices=lambda d: (("0", "1"), "test"))
+        pool = BackendPool(HealthConfig(interval=0.1))
+        pool.start(httpx.AsyncClient(trust_env=False))  # as the gateway does: the pool owns health
+        lm = Launcher(groups, pool, log_dir=sys.argv[1], poll_interval=0.05, devices=lambda d: (("0", "1"), "test"))
         await lm.start()
         while lm.status()["healthy"] < 2:
             await asyncio.sleep(0.05)
@@ -400,8 +371,7 @@ async def test_fake_lmdeploy_gets_the_exact_argv_and_devices_then_restarts_after
     group = {"model": "internlm/internlm2_5-7b-chat", "model_name": "chat", "engine": "lmdeploy", "gpus": [0, 1, 2, 3], "tp": 2,
              "cache_max_entry_count": 0.5, **FAST}  # fmt: skip
     lm, pool = launcher(tmp_path, group, env=env, gpus=[0, 1, 2, 3])
-    await lm.start()
-    try:
+    async with launched(lm):
         await until(lambda: lm.status()["healthy"] == 2, 15, "2 healthy instances")
         launches = [json.loads(line) for line in record.read_text().splitlines()]
         by_port = {str(i.port): i for i in lm.instances}
@@ -425,23 +395,16 @@ async def test_fake_lmdeploy_gets_the_exact_argv_and_devices_then_restarts_after
         assert relaunch["env"] == {"CUDA_VISIBLE_DEVICES": ",".join(victim.devices)}
         ok = await client.post(f"{pool.get(victim.id).url}/v1/chat/completions", json=chat(), headers={"authorization": f"Bearer {lm.backend_key}"})
         assert ok.status_code == 200
-    finally:
-        pids = pids_of(lm)
-        await lm.stop(5)
-    await assert_gone(pids)
 
 
 async def test_engine_auto_says_which_engine_and_why_in_one_line(tmp_path, caplog):
     caplog.set_level(logging.INFO, "gateway.launcher")
     lm, _ = launcher(tmp_path, {"model": "m", "model_name": "auto-chat", "engine": "auto", "instances": 1, **FAST}, env={**os.environ, "PATH": "/nonexistent"})
     lm._lmdeploy = lambda executable: (None, "lmdeploy is not installed")
-    await lm.start()
-    try:
+    async with launched(lm, processes=False):  # stopped before the instance may have spawned
         lines = [r for r in caplog.records if "engine" in r.getMessage() and "launch[0]" in r.getMessage()]
         assert len(lines) == 1
         assert lines[0].levelno == logging.WARNING
         assert lines[0].getMessage() == (
             "launch[0] auto-chat: engine sim, 1 instance(s) (lmdeploy is not installed); replies come from the SIMULATOR, not a model"
         )
-    finally:
-        await lm.stop(5)

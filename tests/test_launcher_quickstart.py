@@ -19,7 +19,7 @@ import pytest
 
 from support import ROOT, free_port
 
-pytestmark = pytest.mark.skipif(os.environ.get("LMDEPLOY_GATEWAY_QUICKSTART") != "1", reason="set LMDEPLOY_GATEWAY_QUICKSTART=1 to run")
+pytestmark = [pytest.mark.e2e, pytest.mark.skipif(os.environ.get("LMDEPLOY_GATEWAY_QUICKSTART") != "1", reason="set LMDEPLOY_GATEWAY_QUICKSTART=1 to run")]
 
 
 @pytest.mark.timeout(400)

@@ -15,6 +15,8 @@ from gateway import logs
 from gateway.filters.auth import hash_key, key_id, new_key
 from support import Sim, gateway_config, GatewayServer
 
+pytestmark = pytest.mark.e2e
+
 MODEL = "test-model"
 PROMPT = "the secret prompt text 7f3a"
 MEDIA_URL = "https://evil.example.net/cat.png?token=hunter2"

@@ -40,6 +40,8 @@ from test_media_policy import (
     value_at,
 )
 
+pytestmark = pytest.mark.e2e
+
 BACKEND_PATHS = set(ROUTE_PATHS.values())
 
 

@@ -29,6 +29,8 @@ from gateway.media.reasons import NETWORK_REASONS
 from gateway.media.url import DomainSet, join_location
 from test_media_policy import JPEG, PDF, PNG, a_url, anth, chat, chat_raw, context, img, refused_count, resp
 
+pytestmark = pytest.mark.e2e
+
 NAMES = ["media.test", "*.cdn.test", "evil.test", "closed.test"]
 BIG = 4096  # max_item_bytes in these tests
 

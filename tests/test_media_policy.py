@@ -25,6 +25,8 @@ from gateway.media.reasons import NETWORK_REASONS
 from gateway.metrics import REGISTRY
 from gateway.routes import ROUTES
 
+pytestmark = pytest.mark.unit
+
 MODEL = "test-model"
 
 # -- configurations the table runs under -----------------------------------------------------------------

@@ -26,6 +26,8 @@ from hypothesis import strategies as st
 from gateway.media import MediaRefused, parse_media_url
 from test_media_policy import FLAC, JPEG, MP4, NPY, PDF, PNG, WAV, context, media_config, policy_for
 
+pytestmark = pytest.mark.unit
+
 MAIN = media_config("main")
 PROFILE = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

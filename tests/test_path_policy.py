@@ -14,6 +14,8 @@ import pytest
 from gateway.filters.paths import PathPolicy
 from support import gateway_with_sims
 
+pytestmark = pytest.mark.e2e
+
 BODY = orjson.dumps({"model": "test-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
 
 

@@ -14,6 +14,8 @@ import pytest
 from gateway.filters.auth import hash_key, new_key
 from support import GatewayServer, Sim, wait_until
 
+pytestmark = pytest.mark.e2e
+
 MODEL = "test-model"
 SIM_ARGS = ("--max-batch-size", "1", "--tpot", "0.05", "--ttft", "0.005", "--metrics-interval", "1")
 

@@ -13,6 +13,8 @@ from gateway.config import TracingConfig
 from gateway.tracing import Tracing
 from support import gateway_with_sims
 
+pytestmark = pytest.mark.e2e
+
 MODEL = "test-model"
 TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}$")
 CLIENT_TRACE = "0af7651916cd43dd8448eb211c80319c"
@@ -50,7 +52,7 @@ def test_one_request_is_one_trace_with_filter_pick_and_upstream_children(setup):
     assert set(spans) == {"POST /v1/chat/completions", "filter.auth", "filter.body", "filter.media", "filter.limits", "pick", "upstream"}
     assert root.parent is None  # the client's traceparent is not trusted by default
     assert format(root.context.trace_id, "032x") != CLIENT_TRACE
-    for name in ("filter.auth", "filter.body", "filter.media", "pick", "upstream"):
+    for name in ("filter.auth", "filter.body", "filter.media", "filter.limits", "pick", "upstream"):
         assert spans[name].parent.span_id == root.context.span_id and spans[name].context.trace_id == root.context.trace_id
     assert root.attributes["http.response.status_code"] == 200
     assert root.attributes["gateway.backend"] == "sim-0" and root.attributes["gateway.request_id"] == r.headers["x-request-id"]

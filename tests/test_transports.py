@@ -11,6 +11,8 @@ import pytest
 
 from support import gateway_with_sims
 
+pytestmark = pytest.mark.e2e
+
 MODEL = "test-model"
 
 

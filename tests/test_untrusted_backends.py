@@ -19,6 +19,8 @@ import pytest
 
 from support import GatewayServer, gateway_config, wait_until
 
+pytestmark = pytest.mark.e2e
+
 MODEL = "test-model"
 CAP = 1 << 20  # upstream.max_response_bytes in these tests
 LINE_CAP = 64 * 1024
@@ -54,6 +56,7 @@ class BrokenBackend:
         self.written = 0
         self.closed_by_peer = threading.Event()
         self.writer_done = threading.Event()
+        self.client_answered = threading.Event()  # set by a test once its client holds the answer
         self.loop = asyncio.new_event_loop()
         self._server: asyncio.base_events.Server | None = None
         started = threading.Event()
@@ -76,6 +79,7 @@ class BrokenBackend:
         self.written = 0
         self.closed_by_peer.clear()
         self.writer_done.clear()
+        self.client_answered.clear()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
@@ -165,7 +169,8 @@ async def late_extra(b, reader, writer, n) -> bool:
     writer.write(ok(n))
     if n == 1:
         await writer.drain()
-        await asyncio.sleep(0.3)  # the gateway has relayed answer 1 and pooled the connection by now
+        # Once the client holds answer 1, the gateway has pooled this connection: now it is idle.
+        await asyncio.to_thread(b.client_answered.wait, 10)
         writer.write(response(b'{"id": "EVIL-injected"}'))
     return True
 
@@ -245,6 +250,29 @@ async def endless_line(b, reader, writer, n) -> bool:
     return False
 
 
+async def endless_event(b, reader, writer, n) -> bool:
+    """Short lines forever, never the blank line that ends an SSE event."""
+    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+    block = b"data: " + b"y" * 1000 + b"\n"
+    try:
+        while b.written < HUGE:
+            writer.write(b"%x\r\n%s\r\n" % (len(block), block))
+            b.written += len(block)
+            await writer.drain()
+    except ConnectionError:
+        b.closed_by_peer.set()
+    finally:
+        b.writer_done.set()
+    return False
+
+
+async def length_and_chunked(b, reader, writer, n) -> bool:
+    """Both framings at once: which one a parser believes decides where the next response starts."""
+    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 4\r\ntransfer-encoding: chunked\r\n\r\n"
+                 b"2\r\n{}\r\n0\r\n\r\n")  # fmt: skip
+    return True
+
+
 # -- the gateway in front of it ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def backend():
@@ -304,11 +332,10 @@ def test_an_extra_pipelined_response_never_reaches_a_client(gw, backend):
 
 
 def test_an_unsolicited_response_on_an_idle_connection_poisons_it(gw, backend):
-    if gw.transport != "native":
-        pytest.skip("aiohttp parses bytes on an idle pooled connection into its queue; see gateway/upstream.py")
     backend.reset(late_extra)
     r1 = post(gw)
     assert r1.status_code == 200 and r1.json()["id"] == "genuine-1"
+    backend.client_answered.set()
     assert backend.closed_by_peer.wait(10)  # closed the moment the bytes arrived
     r2 = post(gw)
     assert r2.status_code == 200 and r2.json()["id"] == "genuine-2"
@@ -394,6 +421,20 @@ def test_a_stream_that_never_ends_a_line_is_cut_with_an_error_event(gw, backend)
     assert len(r.content) < 16 * LINE_CAP
     assert backend.writer_done.wait(30) and backend.closed_by_peer.is_set()
     assert backend.written < 64 * CAP
+
+
+def test_a_stream_event_that_never_ends_is_cut_with_an_error_event(gw, backend):
+    backend.reset(endless_event)
+    r = post(gw, stream=True)
+    assert r.status_code == 200 and b"upstream_stream_error" in r.content
+    assert len(r.content) < 16 * LINE_CAP
+    assert backend.writer_done.wait(30) and backend.closed_by_peer.is_set()
+
+
+def test_content_length_with_chunked_is_refused(gw, backend):
+    backend.reset(length_and_chunked)
+    r = post(gw)
+    assert r.status_code == 502
 
 
 def test_the_gateway_still_answers_after_all_of_it(gw, backend):

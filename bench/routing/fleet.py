@@ -1,80 +1,42 @@
 """Processes of the routing bench: simulated backends and one gateway per policy, all on loopback.
 
-Each is a subprocess in its own session; ``stop()`` ends that process group (SIGTERM, then
-SIGKILL after a bounded wait). Every wait has a deadline.
+All are ``gateway.sim.process`` helpers, the ones the tests use: a subprocess in its own session
+whose ``stop()`` ends the process group (SIGTERM, then SIGKILL after a bounded wait) and checks
+that nothing of it is left. Every wait has a deadline.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import os
-import signal
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
+from gateway.sim.process import ROOT, LoopbackProcess, SimProcess, free_port
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class _Proc:
-    def __init__(self, argv: list[str], what: str):
-        self.what = what
-        self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+class _Proc(LoopbackProcess):
+    """A gateway under test: ready when ``ok()`` holds, stopped (with the time to drain) if it never does."""
 
     def _wait(self, ok, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
-                raise RuntimeError(f"{self.what} exited with {self.proc.returncode}: {err[-2000:]}")
-            try:
-                if ok():
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise TimeoutError(f"{self.what} not ready after {timeout}s")
+        try:
+            self.wait_for(ok, timeout, "ready", interval=0.1)
+        except BaseException:
+            self.stop()
+            raise
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(5)
-        if self.proc.stderr:
-            self.proc.stderr.close()
+    def stop(self, grace: float = 10.0) -> int:
+        return super().stop(grace)
 
 
-class SimProc(_Proc):
+class SimProc(SimProcess):
+    """One simulated backend of the fleet; ``speed`` names it in the gateway's backend list."""
+
     def __init__(self, model: str, speed: float, sim_argv: list[str]):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.speed = speed
-        super().__init__([sys.executable, "-m", "gateway.sim", "--port", str(self.port), "--model", model, *sim_argv], f"sim :{self.port}")
-        self._wait(lambda: httpx.get(self.url + "/health", timeout=2).status_code == 200, 30)
-
-    def stats(self) -> dict:
-        return httpx.get(self.url + "/_sim/stats", timeout=5).json()
-
-    def control(self, **settings) -> None:
-        httpx.post(self.url + "/_sim/control", json=settings, timeout=5).raise_for_status()
+        super().__init__(*sim_argv, model=model, ready_timeout=30)
 
 
 class GatewayProc(_Proc):

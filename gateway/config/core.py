@@ -17,6 +17,7 @@ from .operate import CorsConfig, read_cors
 from .balancer import DEFAULT_PRIORITY, parse_priority
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+HTTP_SERVERS = ("native", "uvicorn")
 
 # Engine knobs a client must never set: they address sessions, caches or processors directly.
 DEFAULT_DROP_FIELDS = (
@@ -41,6 +42,17 @@ class ServerConfig:
     port: int = 8080
     log_level: str = "info"
     access_log: bool = False
+    http: str = "native"  # our HTTP/1.1 server (gateway/server); "uvicorn" is kept to be measured against
+    # Bounded work per connection, enforced before any request reaches the app (gateway/server).
+    max_request_line_bytes: int = 8 * 1024  # method + target + version: 414 above
+    max_header_bytes: int = 64 * 1024  # request line and all headers together: 431 above
+    max_headers: int = 100  # header lines, repeated ones included: 431 above
+    header_timeout: float = 10.0  # from a request's first byte to the end of its headers: 408
+    body_timeout: float = 60.0  # from the end of the headers to the end of the body: 408
+    keepalive_timeout: float = 5.0  # a connection with no request in progress is closed after this
+    max_connections: int = 0  # 0: from the open-files limit, leaving room for upstream connections
+    linger_timeout: float = 5.0  # after an answer given before the body was read: drain, then close
+    linger_bytes: int = 64 * 1024 * 1024  # most bytes drained that way
     cors: CorsConfig = CorsConfig()
 
 
@@ -133,8 +145,20 @@ def read_server(s: Section) -> ServerConfig:
         port=s.int("port", d.port, min=0, max=65535),
         log_level=s.enum("log_level", LOG_LEVELS, d.log_level),
         access_log=s.bool("access_log", d.access_log),
+        http=s.enum("http", HTTP_SERVERS, d.http),
+        max_request_line_bytes=s.int("max_request_line_bytes", d.max_request_line_bytes, min=256, max=1 << 20),
+        max_header_bytes=s.int("max_header_bytes", d.max_header_bytes, min=1024, max=16 << 20),
+        max_headers=s.int("max_headers", d.max_headers, min=8, max=10_000),
+        header_timeout=s.number("header_timeout", d.header_timeout, min=0, exclusive=True),
+        body_timeout=s.number("body_timeout", d.body_timeout, min=0, exclusive=True),
+        keepalive_timeout=s.number("keepalive_timeout", d.keepalive_timeout, min=0, exclusive=True),
+        max_connections=s.int("max_connections", d.max_connections, min=0, max=1 << 20),
+        linger_timeout=s.number("linger_timeout", d.linger_timeout, min=0),
+        linger_bytes=s.int("linger_bytes", d.linger_bytes, min=0, max=1 << 40),
         cors=read_cors(s.section("cors")),
     )
+    if cfg.max_request_line_bytes > cfg.max_header_bytes:
+        s.error("max_request_line_bytes", f"{cfg.max_request_line_bytes} is larger than max_header_bytes ({cfg.max_header_bytes}), which includes the request line")
     s.finish()
     return cfg
 
@@ -150,10 +174,6 @@ def _read_key(s: Section, index: int) -> ApiKeyConfig | None:
         media_domains = read_domain_set(media, lambda j: f"{s.where('media_allowed_domains')}[{j}]", s, owner)
     rpm = s.int("rate_limit_rpm", None, min=1)
     admin = s.bool("admin", False)
-    priority = parse_priority(s.raw("priority", DEFAULT_PRIORITY))
-    if isinstance(priority, str):
-        s.error("priority", priority)
-        priority = DEFAULT_PRIORITY
     tpm = s.int("rate_limit_tpm", None, min=1)
     concurrent = s.int("max_concurrent", None, min=1, max=1_000_000)
     budget = s.int("budget_tokens", None, min=1)
@@ -161,10 +181,14 @@ def _read_key(s: Section, index: int) -> ApiKeyConfig | None:
     expires = s.number("expires_at", None, min=0)
     disabled = s.bool("disabled", False)
     created = s.number("created_at", None, min=0)
+    priority = parse_priority(s.raw("priority", DEFAULT_PRIORITY))
+    if isinstance(priority, str):
+        s.error("priority", priority)
+        priority = DEFAULT_PRIORITY
     s.finish()
     if not KEY_NAME.match(name):
         s.error("name", f"{name[:40]!r} is not a valid key name; use 1-64 letters, digits, '.', '_', '-' or '@'")
-    if digest is None:
+    if not isinstance(digest, str):  # missing (already reported) or not a string
         return None
     norm = digest.strip().lower()
     if not _HASH.match(norm):

@@ -5,8 +5,8 @@ its own GPU set. ``engine: auto`` picks lmdeploy when it is installed and GPUs a
 simulator otherwise; the choice is made at start (``gateway.launcher``), since it depends on the
 machine, but everything that can be refused is refused here, before anything starts.
 
-The rules mirror what ``lmdeploy serve api_server`` would refuse after minutes of loading (see
-the fact sheet, section 4), so a mistake costs a config check instead of a model load.
+The rules mirror what ``lmdeploy serve api_server`` would refuse after minutes of loading, so a
+mistake costs a config check instead of a model load.
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ class LaunchGroup:
     max_restarts: int = 5  # restarts in a row without a stable run; then the instance is given up
     restart_backoff: float = 1.0  # first delay before a restart; doubles each time
     restart_backoff_max: float = 60.0
-    health_interval: float = 5.0  # the launcher's own liveness probe, beside the pool's checks
+    health_interval: float = 5.0  # how often the pool probes an instance of this group while it is healthy
     unhealthy_after: float = 30.0  # a live process failing /health this long is restarted
     stable_after: float = 300.0  # healthy this long resets the restart count
     index: int = 0  # position under `launch`, for messages

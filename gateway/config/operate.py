@@ -96,7 +96,7 @@ def read_admin(s: Section, present: bool) -> AdminConfig:
     key_hash = read_hash(s, "key_hash")
     s.finish()
     if present and key_hash is None and not s.problems:
-        s.error("key_hash", "required: the admin listener needs its own key (`gateway keys create --admin` makes one)")
+        s.error("key_hash", "required: the admin listener needs its own key (`gateway admin-key` makes one)")
     return AdminConfig(enabled=present and key_hash is not None, host=host, port=port, key_hash=key_hash)
 
 

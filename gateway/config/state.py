@@ -16,7 +16,7 @@ from .fields import Section
 class StateConfig:
     redis_url: str | None = None  # None: in-memory
     prefix: str = "gw"  # every Redis key starts with "<prefix>:"
-    timeout: float = 0.25  # seconds, every Redis call; then the local fallback answers
+    timeout: float = 0.5  # seconds, every Redis call; then the local fallback answers
     lease_ttl: float = 30.0  # a concurrency or load lease of a dead replica expires after this
     key_refresh: float = 30.0  # full reload of keys from the store, besides pub/sub invalidation
     usage_retention_days: int = 90

@@ -8,10 +8,9 @@ model access, media policy) run on the parsed body. A filter returns ``None`` to
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 from ..config import ApiKeyConfig
-from ..errors import Refusal
 from ..routes import Route
 
 
@@ -35,11 +34,3 @@ class RequestContext:
         self.outcome: Any = None  # the router's Outcome of that attempt: TTFB, token counts
         self.refusal: str | None = None  # the reason of the refusal the client got, if any
         self.span: Any = None  # the request's trace span, when tracing is on
-
-
-class HeaderFilter(Protocol):
-    def check(self, ctx: RequestContext) -> Refusal | None: ...
-
-
-class BodyFilter(Protocol):
-    def check_body(self, ctx: RequestContext) -> Refusal | None: ...

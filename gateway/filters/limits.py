@@ -19,12 +19,13 @@ from . import RequestContext
 
 CHARS_PER_TOKEN = 4
 MESSAGE_OVERHEAD = 8  # role, separators and template tokens around each message
+REQUEST_OVERHEAD = 8  # the chat template's generation prompt and framing
 
 
 def estimate_prompt_tokens(body: dict[str, Any] | None) -> int:
     """A cheap upper-leaning estimate: text characters / 4 plus a little per message."""
     if not body:
-        return 1
+        return REQUEST_OVERHEAD
     chars = 0
     overhead = 0
     for field in ("prompt", "input", "system", "instructions"):
@@ -39,7 +40,7 @@ def estimate_prompt_tokens(body: dict[str, Any] | None) -> int:
             overhead += MESSAGE_OVERHEAD
             if isinstance(m, dict):
                 chars += _text_chars(m.get("content"))
-    return max(1, -(-chars // CHARS_PER_TOKEN) + overhead)
+    return -(-chars // CHARS_PER_TOKEN) + overhead + REQUEST_OVERHEAD
 
 
 def _text_chars(content: Any, depth: int = 0) -> int:

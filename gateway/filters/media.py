@@ -1,7 +1,7 @@
 """The media filter: every media item is base64 of an allowed type, or a URL on an allowed domain.
 
 lmdeploy's api_server fetches whatever a media field names, ``file://`` and bare local paths
-included (see the fact sheet, section 3). This filter runs on the parsed body, after auth and
+included (lmdeploy ``vl/media/connection.py::load_from_url``). This filter runs on the parsed body, after auth and
 before routing, and a request it refuses never leaves the gateway. The rules live in
 ``gateway/media/`` (parsed once at config load); this module applies them to one request:
 

@@ -1,10 +1,14 @@
-"""The launcher: starts every instance, admits it to the pool once healthy, restarts it when it
-dies, and stops them all. It knows processes and /health; it knows nothing about routing.
+"""The launcher: starts every instance, restarts it when it dies, and stops them all. It knows
+processes; it knows nothing about routing, and it never probes ``/health`` itself.
 
-One supervisor task per instance runs this cycle::
+Health has one owner, the pool: each instance is in the pool from its spawn, out of rotation until
+the pool's checker reads ``healthy`` from its ``/health``. The launcher reads that status to drive
+its states, and tells the pool what only it can know: a process exited (``pool.mark_down``), a new
+process of the same instance started (``pool.readmit``), an instance gave up or stopped
+(``pool.remove``). One supervisor task per instance runs this cycle::
 
-    spawn -> starting -> loading (port closed, or /health not "healthy") -> healthy (in the pool)
-          -> exited / unhealthy too long (out of the pool at once) -> restarting (backoff) -> spawn ...
+    spawn -> starting -> loading (/health not "healthy" yet) -> healthy (in rotation)
+          -> exited (out of rotation at once) / unhealthy too long -> restarting (backoff) -> spawn ...
 
 A cycle that fails ``max_restarts + 1`` times in a row ends in ``crash_loop`` (it kept exiting)
 or ``failed`` (it never became healthy in time, or cannot be started at all), and is reported
@@ -23,9 +27,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence, TextIO
 
-import httpx
-import orjson
-
+from .. import metrics
 from ..config.launch import LaunchGroup
 from ..routing.pool import Backend, BackendPool
 from . import process
@@ -49,24 +51,6 @@ STATES = ("starting", "loading", "healthy", "unhealthy", "restarting", "failed",
 GIVEN_UP = frozenset({"failed", "crash_loop"})
 _BIND_FAILED = re.compile(r"address already in use|errno 98\b", re.IGNORECASE)
 BIND_RETRIES = 3
-
-
-def _metrics() -> tuple[Any, Any]:
-    """The launcher's series, registered once in the gateway's registry."""
-    global _METRICS
-    if _METRICS is None:
-        from prometheus_client import Counter, Gauge
-
-        from ..metrics import REGISTRY
-
-        _METRICS = (
-            Gauge("gateway_launched_instance_state", "1 for the state each launched instance is in", ["instance", "state"], registry=REGISTRY),
-            Counter("gateway_launched_instance_restarts_total", "Restarts of each launched instance", ["instance"], registry=REGISTRY),
-        )
-    return _METRICS
-
-
-_METRICS: tuple[Any, Any] | None = None
 
 
 class Instance:
@@ -145,7 +129,6 @@ class Launcher:
         self.backend_key = secrets.token_hex(32)
         self.plans: list[GroupPlan] = []
         self.instances: list[Instance] = []
-        self._client: httpx.AsyncClient | None = None
         self._stopping = False
         self._progress: asyncio.Task[None] | None = None
 
@@ -156,9 +139,10 @@ class Launcher:
 
     async def start(self) -> None:
         """Spawn every instance and return; they join the pool as they become healthy."""
+        if not self.pool.checking:
+            raise RuntimeError("start the pool's health checker first: it is the only prober of the instances' /health")
         self.plans = self.plan()
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self._client = httpx.AsyncClient(trust_env=False, timeout=5.0)  # loopback: never through a proxy
         counts: dict[str, int] = {}
         for plan in self.plans:
             g = plan.group
@@ -207,13 +191,27 @@ class Launcher:
             log.info("stopping %d instance(s) (grace %.0fs)", len(live), grace)
         await asyncio.gather(*(process.terminate(i.proc, grace) for i in live), return_exceptions=True)
         for inst in self.instances:
-            if self.pool.get(inst.id) is not None:
-                self.pool.remove(inst.id)
+            self.pool.remove(inst.id)
             inst.pid = None
             self._set_state(inst, "stopped")
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
+
+    async def restart(self, instance_id: str) -> bool:
+        """An operator's restart: end the instance's process and start a fresh one (not a failure)."""
+        inst = next((i for i in self.instances if i.id == instance_id), None)
+        if inst is None or self._stopping:
+            return False
+        if inst.task is not None:
+            inst.task.cancel()
+            await asyncio.gather(inst.task, return_exceptions=True)
+        self.pool.mark_down(inst.id, "restarting")
+        if inst.proc is not None and inst.proc.returncode is None:
+            await process.terminate(inst.proc, self.stop_grace)
+        inst.failures, inst.error = 0, None
+        inst.restarts += 1
+        metrics.LAUNCHED_RESTARTS.labels(instance=inst.id).inc()
+        self._set_state(inst, "restarting", "requested through the admin listener")
+        inst.task = asyncio.get_running_loop().create_task(self._supervise(inst), name=f"launch {inst.id}")
+        return True
 
     # -- reporting ----------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
@@ -238,9 +236,8 @@ class Launcher:
         return [(i.id, i.state, now - i.spawned_at) for i in self.instances]
 
     def _export_state(self, inst: Instance) -> None:
-        gauge, _ = _metrics()
         for state in STATES:
-            gauge.labels(instance=inst.id, state=state).set(1 if inst.state == state else 0)
+            metrics.LAUNCHED_STATE.labels(instance=inst.id, state=state).set(1 if inst.state == state else 0)
 
     def _set_state(self, inst: Instance, state: str, detail: str = "") -> None:
         if inst.state == state:
@@ -291,14 +288,13 @@ class Launcher:
                     final = "crash_loop"
                 inst.error = f"{detail}; gave up after {inst.failures} attempt(s) in a row" if outcome != "spawn_error" else detail
                 self._set_state(inst, final, inst.error)
-                if self.pool.get(inst.id) is not None:
-                    self.pool.remove(inst.id)  # its port may be reused by anything now
+                self.pool.remove(inst.id)  # its port may be reused by anything now
                 inst.pid = None
                 return
             delay = min(g.restart_backoff * 2 ** (inst.failures - 1), g.restart_backoff_max)
             self._set_state(inst, "restarting", f"{detail}; restart {inst.failures}/{g.max_restarts} in {delay:.1f}s")
             inst.restarts += 1
-            _metrics()[1].labels(instance=inst.id).inc()
+            metrics.LAUNCHED_RESTARTS.labels(instance=inst.id).inc()
             await asyncio.sleep(delay)
 
     async def _run_once(self, inst: Instance) -> tuple[str, str]:
@@ -336,13 +332,16 @@ class Launcher:
             os.close(key_fd)  # the child has its own copy
         inst.pid = inst.proc.pid
         inst.spawned_at = time.monotonic()
+        self._enter_pool(inst)
         exited = asyncio.ensure_future(inst.proc.wait())
         try:
             outcome, detail = await self._wait_healthy(inst, exited)
             if outcome != "healthy":
+                self.pool.mark_down(inst.id, outcome)
                 return outcome, detail
             healthy_at = time.monotonic()
-            self._join(inst)
+            self._set_state(inst, "healthy")
+            inst.error = None
             outcome, detail = await self._watch(inst, exited)
             if time.monotonic() - healthy_at >= g.stable_after:
                 inst.failures = 0  # a long healthy run: this is not a crash loop
@@ -351,92 +350,69 @@ class Launcher:
             if not exited.done():
                 exited.cancel()
 
+    def _health(self, inst: Instance) -> str:
+        """The pool's reading of the instance's /health (the pool is its only prober)."""
+        backend = self.pool.get(inst.id)
+        status = backend.health_status if backend is not None else "unknown"
+        if backend is not None and status == "healthy" and not backend.healthy:
+            status = "unknown"  # cannot happen through the pool's methods; never read it as healthy
+        inst.health = status
+        return status
+
     async def _wait_healthy(self, inst: Instance, exited: asyncio.Future[int]) -> tuple[str, str]:
         g = inst.group
         deadline = time.monotonic() + g.start_timeout
         while True:
             if exited.done():
                 return "exited", f"{process.describe_exit(inst.proc.returncode)} before it became healthy"
-            status = await self._probe(inst)
+            status = self._health(inst)
             if status == "healthy":
                 return "healthy", ""
-            if exited.done():
-                continue
-            if inst.state == "starting":
-                self._set_state(inst, "loading")
-            inst.health = status
+            if inst.state == "starting" and status != "unknown":
+                self._set_state(inst, "loading")  # the pool's checker has looked at it: not ready yet
             if time.monotonic() >= deadline:
                 return "timeout", f"not healthy within start_timeout={g.start_timeout:g}s (last /health: {status})"
             await asyncio.wait({exited}, timeout=min(self.poll_interval, max(deadline - time.monotonic(), 0.01)))
 
     async def _watch(self, inst: Instance, exited: asyncio.Future[int]) -> tuple[str, str]:
-        """While in the pool: the process is watched continuously, /health every health_interval."""
+        """While it runs: the process is watched continuously, its health read from the pool."""
         g = inst.group
         bad_since: float | None = None
         while True:
-            await asyncio.wait({exited}, timeout=g.health_interval)
+            await asyncio.wait({exited}, timeout=self.poll_interval)
             if exited.done():
-                self._leave(inst, "exited")
+                self.pool.mark_down(inst.id, "exited")
                 return "exited", process.describe_exit(inst.proc.returncode)
-            status = await self._probe(inst)
-            if exited.done():
-                continue
             inst.log.rotate_if_large()
-            inst.health = status
-            backend = self.pool.get(inst.id)
+            status = self._health(inst)
             if status == "healthy":
                 if bad_since is not None:
                     bad_since = None
                     self._set_state(inst, "healthy")
-                    if backend is not None:
-                        self.pool.set_health(backend, True, "healthy")
                 continue
             if bad_since is None:
                 bad_since = time.monotonic()
                 self._set_state(inst, "unhealthy", f"/health: {status}")
-                self._leave(inst, status)
-            elif backend is not None and backend.healthy:
-                self.pool.set_health(backend, False, status)
             if status != "sleeping" and time.monotonic() - bad_since >= g.unhealthy_after:
                 return "unhealthy", f"/health said {status!r} for {time.monotonic() - bad_since:.0f}s"
 
-    async def _probe(self, inst: Instance) -> str:
-        """``healthy`` only for 200 with {"status": "healthy"}; 200 alone may mean sleeping."""
-        assert self._client is not None
-        try:
-            # A busy server may take a moment to answer: never less than a second, never more than five.
-            r = await self._client.get(f"{inst.url}/health", timeout=min(max(inst.group.health_interval, 1.0), 5.0))
-        except (httpx.HTTPError, OSError):
-            return "unreachable"
-        try:
-            status = str(orjson.loads(r.content).get("status", "unknown"))
-        except (orjson.JSONDecodeError, AttributeError):
-            status = f"http {r.status_code}"
-        return status if r.status_code == 200 or status != "healthy" else f"http {r.status_code}"
-
-    def _join(self, inst: Instance) -> None:
-        backend = self.pool.get(inst.id)
-        if backend is None:
-            backend = Backend(
-                id=inst.id,
-                url=inst.url,
-                api_key=self.backend_key,
-                models=frozenset({inst.group.served_name}),
-                static_models=True,
-                origin="launched",
+    def _enter_pool(self, inst: Instance) -> None:
+        """In the pool from its spawn, out of rotation until the pool's checker reads it healthy."""
+        if self.pool.get(inst.id) is None:
+            self.pool.add(
+                Backend(
+                    id=inst.id,
+                    url=inst.url,
+                    api_key=self.backend_key,
+                    models=frozenset({inst.group.served_name}),
+                    static_models=True,
+                    origin="launched",
+                    health_status="unknown",
+                    check_interval=inst.group.health_interval,
+                )
             )
-            self.pool.add(backend)
         else:
-            backend.url = inst.url  # a restart may have needed another port
-            backend.ejected_until = 0.0  # the failures that ejected it were the previous process's
-        self._set_state(inst, "healthy")
-        inst.error = None
-        self.pool.set_health(backend, True, "healthy")
-
-    def _leave(self, inst: Instance, status: str) -> None:
-        backend = self.pool.get(inst.id)
-        if backend is not None:
-            self.pool.set_health(backend, False, status)
+            self.pool.readmit(inst.id, inst.url)  # a new process: the old one's failures are not its own
 
 
 __all__ = ["Launcher", "LaunchError", "Instance", "STATES"]

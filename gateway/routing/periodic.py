@@ -24,6 +24,10 @@ class Periodic:
                 self._log.exception("%s round failed", self.name)
             await asyncio.sleep(self._interval() * random.uniform(0.9, 1.1))
 
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
     def start(self) -> None:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._loop(), name=self.name)

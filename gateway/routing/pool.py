@@ -1,9 +1,13 @@
 """The cluster of backends: membership, active health checks and passive outlier ejection.
 
-A ``Backend`` is one api_server base URL. The pool knows whether each is healthy (its
-``/health`` JSON says ``"healthy"``; 200 alone also means ``sleeping``), draining, or ejected
-after consecutive failures. The balancer only ever sees ``eligible(model)``. The pool knows
-nothing about processes (the launcher adds and removes backends) nor about HTTP routing.
+A ``Backend`` is one api_server base URL. The pool knows whether each is healthy (``/health``
+read by ``parse_health``), draining, or ejected after consecutive failures. The balancer only
+ever sees ``eligible(model)``. The pool knows nothing about processes nor about HTTP routing.
+
+The pool is the one owner of every backend's health, launched ones included: only its checker
+probes ``/health``, and others change a backend only through its methods (``add``, ``remove``,
+``readmit``, ``mark_down``, ``drain``/``undrain``), never by writing fields. The launcher reads
+``health_status`` to drive its instances and calls ``mark_down`` the moment a process exits.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
@@ -21,7 +26,37 @@ import orjson
 from ..config import HealthConfig
 from .periodic import Periodic
 
+if sys.version_info >= (3, 11):
+    from asyncio import timeout as _timeout
+else:  # pragma: no cover - Python 3.10
+    from .._compat import timeout as _timeout
+
 log = logging.getLogger("gateway.pool")
+
+MAX_HEALTH_BODY = 4096  # a /health answer is a few bytes; a backend is not trusted to keep it so
+MAX_MODELS_BODY = 1 << 20
+MAX_MODELS = 1024
+MAX_MODEL_ID = 256
+
+
+def parse_health(status_code: int, body: bytes) -> str:
+    """The one reading of api_server's ``/health``: ``"healthy"`` means in rotation, anything else not.
+
+    lmdeploy answers 200 with an empty body (older) or ``{"status": ...}`` (``healthy``,
+    ``sleeping``...); any other answer reads as ``http <code>``.
+    """
+    try:
+        data = orjson.loads(body) if body.strip() else None
+    except orjson.JSONDecodeError:
+        data = None
+    if isinstance(data, dict) and isinstance(data.get("status"), str):
+        status = "".join(c for c in data["status"][:32] if c.isalnum() or c in "_-") or "unknown"
+        if status == "healthy" and status_code != 200:
+            return f"http {status_code}"
+        return status
+    if status_code == 200 and data is None and not body.strip():
+        return "healthy"
+    return f"http {status_code}"
 
 
 @dataclass(eq=False)
@@ -42,6 +77,9 @@ class Backend:
     consecutive_failures: int = 0
     returned_at: float = 0.0  # when it last came back from ejection or unhealth: the balancer ramps it up slowly
     in_flight: int = 0
+    check_interval: float | None = None  # its own /health interval (a launch group's); None: health.interval
+    next_check: float = 0.0
+    remote_in_flight: int = 0  # in flight through the other gateway replicas (the shared state store sums them)
 
     def auth_headers(self) -> list[tuple[bytes, bytes]]:
         return [(b"authorization", b"Bearer " + self.api_key.encode())] if self.api_key else []
@@ -55,8 +93,12 @@ class BackendPool:
         self.health = health
         self._client = client
         self._backends: dict[str, Backend] = {}
-        self._periodic = Periodic("health-checks", self.check_all, lambda: self.health.interval, log)
-        self._listeners: list[Callable[[Backend], None]] = []
+        self._periodic = Periodic("health-checks", self._check_due, self._tick, log)
+        # Told when a backend leaves the pool, so per-backend state elsewhere (policies) is dropped.
+        self.on_removed: list[Callable[[Backend], None]] = []
+        # Told of every change of membership, health, ejection or draining (the gateway queue wakes,
+        # the state layer shares ejections with the other replicas).
+        self._change_listeners: list[Callable[[Backend], None]] = []
         self._models_cache: tuple[int, frozenset[str]] | None = None
         self._version = 0
 
@@ -73,7 +115,51 @@ class BackendPool:
         if b is not None:
             b.healthy = False
             self._changed(b)
+            for fn in self.on_removed:
+                try:
+                    fn(b)
+                except Exception:  # a listener must not break membership changes
+                    log.exception("pool on_removed listener failed")
         return b
+
+    def readmit(self, backend_id: str, url: str | None = None) -> Backend | None:
+        """A backend starts afresh (a restarted process, maybe on a new port): past failures and
+        ejections are forgotten; it returns to rotation at its next passing health check."""
+        b = self._backends.get(backend_id)
+        if b is None:
+            return None
+        if url is not None:
+            b.url = url
+        b.ejected_until = 0.0
+        b.next_check = 0.0  # at the next tick
+        b.ejections = 0
+        b.consecutive_failures = 0
+        self.set_health(b, False, "unknown")
+        return b
+
+    def mark_down(self, backend_id: str, status: str) -> None:
+        """Out of rotation now (its process exited, say); a passing health check brings it back."""
+        b = self._backends.get(backend_id)
+        if b is not None:
+            self.set_health(b, False, status)
+
+    def undrain(self, backend_id: str) -> None:
+        b = self._backends.get(backend_id)
+        if b is not None:
+            self.set_draining(b, False)
+
+    async def drain(self, backend_id: str, timeout: float | None = None) -> bool:
+        """No new requests; return True once its in-flight ones completed (False at timeout)."""
+        b = self._backends.get(backend_id)
+        if b is None:
+            return True
+        self.set_draining(b, True)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b.in_flight > 0:
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.05)  # in_flight is counted per request elsewhere: poll, bounded by timeout
+        return True
 
     def get(self, backend_id: str) -> Backend | None:
         return self._backends.get(backend_id)
@@ -85,15 +171,15 @@ class BackendPool:
         return len(self._backends)
 
     def on_change(self, fn: Callable[[Backend], None]) -> None:
-        self._listeners.append(fn)
+        self._change_listeners.append(fn)
 
     def _changed(self, b: Backend) -> None:
-        self._version += 1
-        for fn in self._listeners:
+        self._version += 1  # invalidates the healthy-models cache
+        for fn in self._change_listeners:
             try:
                 fn(b)
-            except Exception:  # a listener must not break health checking
-                log.exception("pool listener failed")
+            except Exception:  # a listener must not break the pool's own bookkeeping
+                log.exception("pool on_change listener failed")
 
     # -- queries used per request ---------------------------------------------------------------
     def eligible(self, model: str, now: float | None = None) -> list[Backend]:
@@ -111,10 +197,6 @@ class BackendPool:
                     models |= b.models
             self._models_cache = (self._version, frozenset(models))
         return self._models_cache[1]
-
-    def any_healthy(self) -> bool:
-        now = time.monotonic()
-        return any(b.available(now) for b in self._backends.values())
 
     # -- state changes -----------------------------------------------------------------------------
     def set_draining(self, b: Backend, draining: bool) -> None:
@@ -148,15 +230,28 @@ class BackendPool:
         b.consecutive_failures += 1
         if b.consecutive_failures >= self.health.failures_to_eject and b.ejected_until <= time.monotonic():
             b.ejections += 1
-            backoff = self.health.ejection_base * (2 ** min(b.ejections - 1, 6))
-            b.ejected_until = time.monotonic() + backoff * random.uniform(0.9, 1.1)
-            b.returned_at = b.ejected_until  # the balancer ramps it up slowly from then on
-            b.consecutive_failures = 0
+            backoff = self.health.ejection_base * (2 ** min(b.ejections - 1, 6)) * random.uniform(0.9, 1.1)
+            self._eject(b, backoff)
             log.warning(
                 "backend %s ejected for %.1fs after repeated failures", b.id, backoff,
                 extra={"fields": {"event": "backend_ejected", "backend": b.id, "seconds": round(backoff, 3), "ejections": b.ejections}},
             )
-            self._changed(b)
+
+    def eject(self, backend_id: str, seconds: float) -> None:
+        """Apply an ejection decided elsewhere (another replica) instead of writing fields.
+
+        on_change listeners are told, as of any ejection: one that shares ejections must know this
+        one came from outside (``ejections`` is unchanged by it) and not send it back.
+        """
+        b = self._backends.get(backend_id)
+        if b is not None and seconds > 0 and time.monotonic() + seconds > b.ejected_until:
+            self._eject(b, min(seconds, self.health.ejection_base * 64 * 1.1))  # never longer than our own worst
+
+    def _eject(self, b: Backend, seconds: float) -> None:
+        b.ejected_until = time.monotonic() + seconds
+        b.returned_at = b.ejected_until  # the balancer ramps it up slowly from then on
+        b.consecutive_failures = 0
+        self._changed(b)
 
     def report_unreachable(self, b: Backend) -> None:
         """A connection refused: the process is gone; stop sending to it until a health check says otherwise."""
@@ -168,16 +263,15 @@ class BackendPool:
         client = self._client
         assert client is not None, "pool has no HTTP client"
         headers = {"authorization": f"Bearer {b.api_key}"} if b.api_key else {}
+        url = b.url
         try:
-            r = await client.get(f"{b.url}/health", headers=headers, timeout=self.health.timeout)
-            status = "unhealthy"
-            try:
-                status = str(orjson.loads(r.content).get("status", "unhealthy"))
-            except (orjson.JSONDecodeError, AttributeError):
-                status = "healthy" if r.status_code == 200 and not r.content.strip() else "unhealthy"
-            healthy = r.status_code == 200 and status == "healthy"
+            async with _timeout(self.health.timeout):  # the whole probe, a slow-drip body included
+                code, body = await self._get(f"{url}/health", headers, MAX_HEALTH_BODY)
+            status = parse_health(code, body) if body is not None else "http oversized"
+            healthy = status == "healthy"
             if healthy and (not b.static_models and (not b.models or not b.healthy)):
-                models = await self._fetch_models(b, headers)
+                async with _timeout(self.health.timeout):
+                    models = await self._fetch_models(b, headers)
                 if models is None:
                     healthy, status = False, "models_unavailable"
                 elif models != b.models:
@@ -185,22 +279,55 @@ class BackendPool:
                     self._changed(b)
         except (httpx.HTTPError, OSError, asyncio.TimeoutError):
             healthy, status = False, "unreachable"
+        if self._backends.get(b.id) is not b or b.url != url:
+            return False  # removed or readmitted elsewhere while the probe was out: its answer is stale
         # A healthy probe does not lift an ejection: the backend returns when its backoff ends.
         self.set_health(b, healthy, status)
         return healthy
 
+    async def _get(self, url: str, headers: dict[str, str], limit: int) -> tuple[int, bytes | None]:
+        """GET with the body read up to ``limit`` bytes; None for a longer one (never read whole)."""
+        async with self._client.stream("GET", url, headers=headers, timeout=self.health.timeout) as r:  # type: ignore[union-attr]
+            body = b""
+            async for chunk in r.aiter_bytes():
+                body += chunk
+                if len(body) > limit:
+                    return r.status_code, None
+            return r.status_code, body
+
     async def _fetch_models(self, b: Backend, headers: dict[str, str]) -> frozenset[str] | None:
+        """The backend's model ids, bounded in bytes, count and length: they are served on /v1/models."""
         try:
-            r = await self._client.get(f"{b.url}/v1/models", headers=headers, timeout=self.health.timeout)  # type: ignore[union-attr]
-            if r.status_code != 200:
+            code, body = await self._get(f"{b.url}/v1/models", headers, MAX_MODELS_BODY)
+            if code != 200 or body is None:
                 return None
-            data = orjson.loads(r.content).get("data", [])
-            return frozenset(str(m["id"]) for m in data if isinstance(m, dict) and "id" in m)
+            data = orjson.loads(body).get("data", [])
+            ids = [m["id"] for m in data[:MAX_MODELS] if isinstance(m, dict) and isinstance(m.get("id"), str)]
+            return frozenset(i for i in ids if 0 < len(i) <= MAX_MODEL_ID and i.isprintable())
         except (httpx.HTTPError, OSError, orjson.JSONDecodeError, AttributeError, TypeError, KeyError):
             return None
 
+    def _tick(self) -> float:
+        """The checker wakes at the shortest interval any backend asks for."""
+        return min([self.health.interval, *(b.check_interval for b in self._backends.values() if b.check_interval)])
+
+    async def _check_due(self) -> None:
+        now = time.monotonic()
+        due = [b for b in self._backends.values() if b.next_check <= now]
+        for b in due:
+            # Out of rotation, a backend is looked at at least every health.interval, to return soon.
+            every = b.check_interval or self.health.interval
+            every = every if b.healthy else min(every, self.health.interval)
+            b.next_check = now + every * 0.85  # the tick's jitter (0.9-1.1) must not skip a due check
+        await self.check_all(due) if due else None
+
     async def check_all(self, backends: Iterable[Backend] | None = None) -> None:
-        await asyncio.gather(*(self.check(b) for b in (backends or list(self._backends.values()))))
+        await asyncio.gather(*(self.check(b) for b in (list(self._backends.values()) if backends is None else backends)))
+
+    @property
+    def checking(self) -> bool:
+        """Whether the health checker runs (the launcher relies on it: it never probes itself)."""
+        return self._periodic.running
 
     def start(self, client: httpx.AsyncClient | None = None) -> None:
         if client is not None:

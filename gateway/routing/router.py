@@ -43,10 +43,6 @@ TOO_LARGE = Refusal(502, "The backend's response was larger than this gateway ac
 LOGGED_ERROR_BYTES = 2048  # of a backend's 5xx body, for the operator's log
 
 
-def invalid(exc: UpstreamInvalid) -> Refusal:
-    return TOO_LARGE if exc.reason == "body_too_large" else INVALID_RESPONSE
-
-
 def backend_error(status: int, retry_after: bytes | None) -> Refusal:
     """Our own error for a backend's 5xx: the status is kept, the backend's words are not."""
     headers = ((b"retry-after", retry_after),) if retry_after is not None else ()
@@ -99,7 +95,7 @@ class Router:
                 return refusal.status
             if attempt == 0 and self.queue is not None:
                 # The queue binds the request to a backend (picked and dispatched) when one has room.
-                with tracing.child(ctx, "pick", candidates=len(candidates)):
+                with tracing.child(ctx, "pick", candidates=len(candidates), queued=True):
                     admitted = await self.queue.acquire(req, ctx.key.name if ctx.key else "", ctx.key.priority if ctx.key else DEFAULT_PRIORITY)
                 if isinstance(admitted, Refusal):
                     await reply(admitted)
@@ -143,11 +139,7 @@ class Router:
                 return TIMEOUTS[exc.phase].status
             except UpstreamInvalid as exc:
                 # Not retried: a misbehaving backend is answered for, not hidden behind another try.
-                self.pool.report_failure(b)
-                metrics.UPSTREAM_ERRORS.labels(backend=b.id, kind=f"invalid_{exc.reason}").inc()
-                log.warning("backend %s sent an invalid response (%s)", b.id, exc.reason)
-                await reply(invalid(exc))
-                return invalid(exc).status
+                return await self._refuse_invalid(b, exc, reply)
             except UpstreamFailure as exc:
                 kind = exc.kind
                 metrics.UPSTREAM_ERRORS.labels(backend=b.id, kind=kind).inc()
@@ -174,16 +166,15 @@ class Router:
                 elif response.status == 200 and response.is_event_stream:
                     await self._relay_stream(b, req, ctx, response, send, start, outcome)
                 else:
-                    await self._relay_whole(b, req, ctx.route.kind, response, send, start, outcome, reply)
+                    return await self._relay_whole(b, req, ctx.route.kind, response, send, start, outcome, reply)
                 return response.status
             finally:
                 await response.aclose()
         finally:
-            ctx.outcome = outcome  # usage, for the state layer's settling
             self.balancer.completed(b, req, outcome)
             if self.queue is not None:
                 self.queue.completed(req.model)
-            ctx.backend, ctx.outcome = b.id, outcome  # for the access log and the trace
+            ctx.backend, ctx.outcome = b.id, outcome  # for the access log, the trace and the state layer's settling
 
     async def _relay_whole(
         self,
@@ -195,23 +186,20 @@ class Router:
         start: float,
         outcome: Outcome,
         reply: Callable[[Refusal], Awaitable[None]],
-    ) -> None:
+    ) -> int:
+        """Read the whole body and send it; returns the status the client got (ours if reading failed)."""
         try:
             body = await self.upstream.read_all(response)
         except UpstreamTimeout as exc:
             self.pool.report_failure(b)
             await reply(TIMEOUTS[exc.phase])
-            return
+            return TIMEOUTS[exc.phase].status
         except UpstreamInvalid as exc:
-            self.pool.report_failure(b)
-            metrics.UPSTREAM_ERRORS.labels(backend=b.id, kind=f"invalid_{exc.reason}").inc()
-            log.warning("backend %s sent an invalid response (%s)", b.id, exc.reason)
-            await reply(invalid(exc))
-            return
+            return await self._refuse_invalid(b, exc, reply)
         except UpstreamFailure:
             self.pool.report_failure(b)
             await reply(UPSTREAM_FAILED)
-            return
+            return UPSTREAM_FAILED.status
         outcome.ttft = time.monotonic() - start
         self.balancer.first_byte(b, req, outcome.ttft)
         self._observe_ttfb(kind, outcome.ttft)
@@ -222,6 +210,15 @@ class Router:
         hdrs.append((b"content-length", str(len(body)).encode()))
         await send({"type": "http.response.start", "status": response.status, "headers": hdrs})
         await send({"type": "http.response.body", "body": body, "more_body": False})
+        return response.status
+
+    async def _refuse_invalid(self, b: Backend, exc: UpstreamInvalid, reply: Callable[[Refusal], Awaitable[None]]) -> int:
+        self.pool.report_failure(b)
+        metrics.UPSTREAM_ERRORS.labels(backend=b.id, kind=f"invalid_{exc.reason}").inc()
+        log.warning("backend %s sent an invalid response (%s)", b.id, exc.reason)
+        refusal = TOO_LARGE if exc.reason == "body_too_large" else INVALID_RESPONSE
+        await reply(refusal)
+        return refusal.status
 
     async def _replace_error(self, b: Backend, response: UpstreamResponse, reply: Callable[[Refusal], Awaitable[None]]) -> None:
         """A backend 5xx: log (the start of) its body, answer with our own error of the same status."""

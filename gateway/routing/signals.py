@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from .pool import Backend
 
 log = logging.getLogger("gateway.signals")
+MAX_METRICS_BODY = 4 << 20  # lmdeploy's exposition is tens of KiB; a backend is not trusted to keep it so
 
 RUNNING = "lmdeploy:num_requests_running"
 WAITING = "lmdeploy:num_requests_waiting"
@@ -141,10 +142,15 @@ class MetricsScraper:
         client = self._client
         assert client is not None, "scraper has no HTTP client"
         try:
-            r = await client.get(f"{b.url}/metrics", headers=b.auth_headers(), timeout=self.timeout)
-            if r.status_code != 200:
-                raise ValueError(f"status {r.status_code}")
-            values = parse_metrics(r.text)
+            async with client.stream("GET", f"{b.url}/metrics", headers=b.auth_headers(), timeout=self.timeout) as r:
+                if r.status_code != 200:
+                    raise ValueError(f"status {r.status_code}")
+                body = bytearray()
+                async for chunk in r.aiter_bytes():
+                    body += chunk
+                    if len(body) > MAX_METRICS_BODY:
+                        raise ValueError("body too large")  # never read whole
+            values = parse_metrics(body.decode("utf-8", "replace"))
         except (httpx.HTTPError, OSError, ValueError, asyncio.TimeoutError) as exc:
             self.failures += 1
             log.debug("metrics of backend %s unavailable: %s", b.id, exc.__class__.__name__)

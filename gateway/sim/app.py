@@ -1,6 +1,6 @@
 """The simulated api_server as one Starlette app: the route table, error rendering, lifespan.
 
-The routes are the real server's (reference §1), plus ``/_sim/*``. Unknown paths answer like
+The routes are the real server's (``lmdeploy/serve/openai/api_server.py``), plus ``/_sim/*``. Unknown paths answer like
 FastAPI (``{"detail": "Not Found"}``) and are still recorded by the front door.
 """
 

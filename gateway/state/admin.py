@@ -330,7 +330,8 @@ async def _usage(args: argparse.Namespace) -> int:
         )
     target = StoreTarget(cfg)
     try:
-        keys = await target.list()
+        stored = await target.list()
+        keys = stored + [k for k in cfg.auth.keys if k.hash not in {s.hash for s in stored}]  # the config's keys count too
         key_hash = find(keys, args.key).hash if args.key else None
         since = parse_time(args.since, future=False) if args.since else None
         try:

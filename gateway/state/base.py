@@ -8,6 +8,7 @@ The key-management calls (``put_key``, ``get_key``, ``list_keys``) serve ``gatew
 
 from __future__ import annotations
 
+import itertools
 import logging
 import secrets
 import time
@@ -48,6 +49,7 @@ class StateStore:
         self.cfg = config.state
         self.keys = KeyCache(config.auth.keys)
         self.replica = secrets.token_hex(6)
+        self._lease_ids = itertools.count()
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -70,12 +72,9 @@ class StateStore:
         raise NotImplementedError
 
     # -- limits ----------------------------------------------------------------------------------
-    def needs_admission(self, key: ApiKeyConfig | None) -> bool:
-        return key is not None and key.limited
-
     async def admit(self, key: ApiKeyConfig, model: str, prompt_estimate: int, max_tokens: int | None) -> Admission | Refusal:
         reserve = prompt_estimate + (max_tokens if max_tokens is not None else self.cfg.default_max_tokens) if key.rate_limit_tpm else 0
-        lease = secrets.token_hex(8) if key.max_concurrent else ""
+        lease = f"{self.replica}.{next(self._lease_ids)}" if key.max_concurrent else ""  # unique over replicas, no syscall
         decision, shared, share = await self._decide(key, reserve, lease)
         if not decision.ok:
             stats.LIMIT_REFUSALS.labels(reason=decision.reason).inc()

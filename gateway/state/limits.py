@@ -3,9 +3,9 @@
 Both stores decide with the same rules; Redis runs them in one Lua script (``redis.py``), the
 in-memory store and the Redis fallback run ``LocalLimiter`` below.
 
-- rpm and tpm are token buckets (capacity = the limit, refilled at limit/60 a second). A
-  request takes 1 from the rpm bucket and reserves ``prompt estimate + max_tokens`` from the tpm
-  bucket; when it ends the reservation is settled against the real usage (the difference is
+- rpm is a sliding log of the admissions of the last 60 s: never more than rpm in any minute.
+- tpm is a token bucket (capacity = the limit, refilled at limit/60 a second). A request
+  reserves ``prompt estimate + max_tokens`` from it; when it ends the reservation is settled against the real usage (the difference is
   given back, or taken if it ran over), so concurrent streams cannot overshoot the limit.
 - concurrency is a set of leases with an expiry; the lease is dropped at the end of the request
   and expires on its own if the replica holding it dies.
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from ..config import ApiKeyConfig
@@ -32,6 +33,7 @@ class Decision:
     retry_ms: int = 0
     requests_left: float = -1.0  # bucket levels after this request (-1: no such limit)
     tokens_left: float = -1.0
+    requests_reset_ms: int = 0  # until the oldest admission of the last minute leaves the window
 
 
 @dataclass(slots=True)
@@ -68,35 +70,45 @@ def period_seconds_left(period: str, now: float | None = None) -> int:
 
 
 def _duration(ms: float) -> bytes:
+    """OpenAI's reset format: 250ms, 1.5s, 6m0s."""
     ms = max(0.0, ms)
     if ms < 1000:
         return f"{int(math.ceil(ms))}ms".encode()
-    s = ms / 1000
-    if s < 60:
-        return f"{s:.3g}s".encode()
-    return f"{int(s // 60)}m{int(s % 60)}s".encode()
+    t = round(ms / 1000, 1)
+    if t < 60:
+        return f"{t:g}s".encode()
+    return f"{int(t // 60)}m{round(t % 60, 1):g}s".encode()
+
+
+_LIMIT_HEADERS: dict[tuple[int, int], tuple[tuple[bytes, bytes], ...]] = {}
 
 
 def rate_headers(key: ApiKeyConfig, d: Decision, share: int = 1) -> list[tuple[bytes, bytes]]:
     """The x-ratelimit-* headers the OpenAI SDK reads (only for the limits the key has)."""
-    out: list[tuple[bytes, bytes]] = []
-    rpm, tpm = key.rate_limit_rpm, key.rate_limit_tpm
-    if rpm:
-        cap = max(1, rpm // share)
-        left = max(0.0, d.requests_left)
-        out += [
+    rpm, tpm = key.rate_limit_rpm or 0, key.rate_limit_tpm or 0
+    fixed = _LIMIT_HEADERS.get((rpm, tpm))
+    if fixed is None:
+        fixed = _LIMIT_HEADERS[(rpm, tpm)] = (
             (b"x-ratelimit-limit-requests", str(rpm).encode()),
-            (b"x-ratelimit-remaining-requests", str(int(left)).encode()),
-            (b"x-ratelimit-reset-requests", _duration((cap - left) * WINDOW_MS / cap)),
-        ]
+            (b"x-ratelimit-limit-tokens", str(tpm).encode()),
+        )
+        if len(_LIMIT_HEADERS) > 10_000:  # bounded: limits come from keys, but keys can be edited live
+            _LIMIT_HEADERS.clear()
+    out: list[tuple[bytes, bytes]] = []
+    if rpm:
+        out += (
+            fixed[0],
+            (b"x-ratelimit-remaining-requests", b"%d" % max(0, d.requests_left)),
+            (b"x-ratelimit-reset-requests", _duration(d.requests_reset_ms)),
+        )
     if tpm:
         cap = max(1, tpm // share)
         left = max(0.0, d.tokens_left)
-        out += [
-            (b"x-ratelimit-limit-tokens", str(tpm).encode()),
-            (b"x-ratelimit-remaining-tokens", str(int(left)).encode()),
+        out += (
+            fixed[1],
+            (b"x-ratelimit-remaining-tokens", b"%d" % left),
             (b"x-ratelimit-reset-tokens", _duration((cap - left) * WINDOW_MS / cap)),
-        ]
+        )
     return out
 
 
@@ -142,7 +154,8 @@ class LocalLimiter:
 
     def __init__(self, clock=time.monotonic) -> None:
         self._clock = clock
-        self._buckets: dict[tuple[str, str], tuple[float, float]] = {}  # (hash, "r"|"t") -> (level, at)
+        self._buckets: dict[tuple[str, str], tuple[float, float]] = {}  # (hash, "t") -> (level, at)
+        self._log: dict[str, deque[float]] = {}  # hash -> admission times of the last minute
         self._leases: dict[str, dict[str, float]] = {}  # hash -> lease id -> expiry
         self._budget: dict[tuple[str, str], int] = {}  # (hash, period id) -> tokens used
         self._lease_ttl = 3600.0
@@ -159,16 +172,22 @@ class LocalLimiter:
         h = key.hash
         rpm = max(1, key.rate_limit_rpm // share) if key.rate_limit_rpm else 0
         tpm = max(1, key.rate_limit_tpm // share) if key.rate_limit_tpm else 0
-        r_level = self._level((h, "r"), rpm, now) if rpm else -1.0
+        r_level, reset_ms = -1.0, 0
+        if rpm:
+            log = self._log.setdefault(h, deque())
+            while log and log[0] <= now - 60.0:
+                log.popleft()
+            r_level = float(rpm - len(log))
+            reset_ms = math.ceil((log[0] + 60.0 - now) * 1000) if log else 0
         t_level = self._level((h, "t"), tpm, now) if tpm else -1.0
-        d = Decision(False, requests_left=r_level, tokens_left=t_level)
+        d = Decision(False, requests_left=r_level, tokens_left=t_level, requests_reset_ms=reset_ms)
         if key.budget_tokens:
             used = self._budget.get((h, period_id(key.budget_period)), 0)
             if used >= max(1, key.budget_tokens // share):
                 d.reason = "budget"
                 return d
         if rpm and r_level < 1:
-            d.reason, d.retry_ms = "rpm", math.ceil((1 - r_level) * WINDOW_MS / rpm)
+            d.reason, d.retry_ms = "rpm", max(1, reset_ms)
             return d
         if tpm:
             if reserve > tpm:
@@ -179,19 +198,22 @@ class LocalLimiter:
                 return d
         if key.max_concurrent:
             leases = self._leases.setdefault(h, {})
-            for lid in [lid for lid, exp in leases.items() if exp <= now]:
-                del leases[lid]
-            if len(leases) >= max(1, key.max_concurrent // share):
+            cap = max(1, key.max_concurrent // share)
+            if len(leases) >= cap:  # only then is it worth dropping expired ones
+                for lid in [lid for lid, exp in leases.items() if exp <= now]:
+                    del leases[lid]
+            if len(leases) >= cap:
                 d.reason, d.retry_ms = "concurrency", 1000
                 return d
             leases[lease] = now + self._lease_ttl
         if rpm:
             r_level -= 1
-            self._buckets[(h, "r")] = (r_level, now)
+            log.append(now)
+            reset_ms = reset_ms or WINDOW_MS
         if tpm:
             t_level -= reserve
             self._buckets[(h, "t")] = (t_level, now)
-        return Decision(True, requests_left=r_level, tokens_left=t_level)
+        return Decision(True, requests_left=r_level, tokens_left=t_level, requests_reset_ms=reset_ms)
 
     def settle(self, key: ApiKeyConfig, reserved: int, used: int, lease: str, share: int = 1) -> None:
         now = self._clock()

@@ -5,7 +5,7 @@
   that one key, so a created or revoked key takes effect everywhere within a second with no
   Redis round trip per request. A full reload runs every ``state.key_refresh`` seconds and after
   every reconnect, so a missed message cannot leave a key stale for long.
-- Admission is one Lua script (``ADMIT``), one round trip: rpm and tpm buckets, the concurrency
+- Admission is one Lua script (``ADMIT``), one round trip: the rpm log, the tpm bucket, the concurrency
   lease set and the budget counter, all at Redis's clock. Settling (``SETTLE``: refund or charge
   tpm, drop the lease, count budget and usage) is batched: every few milliseconds one pipeline
   carries the settles of every request that ended meanwhile.
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections import deque
 from typing import Any, Awaitable, TypeVar
@@ -28,6 +29,7 @@ import orjson
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import NoScriptError, ResponseError
 
 from ..config import ApiKeyConfig, ConfigError
 from . import stats
@@ -45,7 +47,9 @@ FLUSH_EVERY = 0.005  # seconds: how long settles gather before one pipeline carr
 DOWN_FOR = 1.0  # seconds a failure keeps requests on the local fallback before Redis is tried again
 
 # KEYS: rpm bucket, tpm bucket, lease set, budget counter
-# ARGV: rpm, tpm, max concurrent, tokens to reserve, lease id, lease ttl (ms), budget
+# ARGV: rpm, tpm, max concurrent, tokens to reserve, lease id, lease ttl (ms), budget, request id
+# rpm is a sliding log of the last minute's admissions (exact: never more than rpm in any 60 s);
+# tpm is a token bucket, because its reservations are settled later.
 ADMIT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -55,46 +59,54 @@ local conc = tonumber(ARGV[3])
 local reserve = tonumber(ARGV[4])
 local ttl = tonumber(ARGV[6])
 local budget = tonumber(ARGV[7])
-local function level(key, cap)
-  local v = redis.call('HMGET', key, 'l', 't')
-  local l = tonumber(v[1])
-  if not l then return cap end
-  l = l + (now - tonumber(v[2])) * cap / 60000
-  if l > cap then l = cap end
-  return l
-end
 local r = -1
 local k = -1
-if rpm > 0 then r = level(KEYS[1], rpm) end
-if tpm > 0 then k = level(KEYS[2], tpm) end
-if budget > 0 then
-  local used = tonumber(redis.call('GET', KEYS[4]) or '0')
-  if used >= budget then return {0, 'budget', 0, tostring(r), tostring(k)} end
-end
-if rpm > 0 and r < 1 then
-  return {0, 'rpm', math.ceil((1 - r) * 60000 / rpm), tostring(r), tostring(k)}
+local reset = 0
+if rpm > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - 60000)
+  r = rpm - redis.call('ZCARD', KEYS[1])
+  local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+  if oldest[2] then reset = tonumber(oldest[2]) + 60000 - now end
 end
 if tpm > 0 then
-  if reserve > tpm then return {0, 'too_big', 0, tostring(r), tostring(k)} end
-  if k < reserve then return {0, 'tpm', math.ceil((reserve - k) * 60000 / tpm), tostring(r), tostring(k)} end
+  local v = redis.call('HMGET', KEYS[2], 'l', 't')
+  k = tonumber(v[1])
+  if not k then
+    k = tpm
+  else
+    k = k + (now - tonumber(v[2])) * tpm / 60000
+    if k > tpm then k = tpm end
+  end
+end
+if budget > 0 then
+  local used = tonumber(redis.call('GET', KEYS[4]) or '0')
+  if used >= budget then return {0, 'budget', 0, tostring(r), tostring(k), reset} end
+end
+if rpm > 0 and r < 1 then
+  return {0, 'rpm', reset, tostring(r), tostring(k), reset}
+end
+if tpm > 0 then
+  if reserve > tpm then return {0, 'too_big', 0, tostring(r), tostring(k), reset} end
+  if k < reserve then return {0, 'tpm', math.ceil((reserve - k) * 60000 / tpm), tostring(r), tostring(k), reset} end
 end
 if conc > 0 then
   redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
-  if redis.call('ZCARD', KEYS[3]) >= conc then return {0, 'concurrency', 1000, tostring(r), tostring(k)} end
+  if redis.call('ZCARD', KEYS[3]) >= conc then return {0, 'concurrency', 1000, tostring(r), tostring(k), reset} end
   redis.call('ZADD', KEYS[3], now + ttl, ARGV[5])
   redis.call('PEXPIRE', KEYS[3], ttl * 2)
 end
 if rpm > 0 then
   r = r - 1
-  redis.call('HSET', KEYS[1], 'l', tostring(r), 't', now)
-  redis.call('PEXPIRE', KEYS[1], 120000)
+  redis.call('ZADD', KEYS[1], now, ARGV[8])
+  redis.call('PEXPIRE', KEYS[1], 61000)
+  if reset == 0 then reset = 60000 end
 end
 if tpm > 0 then
   k = k - reserve
   redis.call('HSET', KEYS[2], 'l', tostring(k), 't', now)
   redis.call('PEXPIRE', KEYS[2], 120000)
 end
-return {1, '', 0, tostring(r), tostring(k)}
+return {1, '', 0, tostring(r), tostring(k), reset}
 """
 
 # KEYS: tpm bucket, lease set, budget counter, usage hash of this hour
@@ -176,6 +188,8 @@ class RedisStore(StateStore):
         self._down_until = 0.0
         self.degraded = False
         self._pending: deque[tuple[list[str], list[Any]]] = deque()
+        self._admits: list[tuple[list[str], list[Any], asyncio.Future[Any]]] = []
+        self._inflight: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
         self._leases: dict[str, tuple[str, str]] = {}  # lease id -> (lease set key, lease id) held by this process
         self._tasks: list[asyncio.Task[None]] = []
@@ -183,6 +197,8 @@ class RedisStore(StateStore):
         self.synced = asyncio.Event()  # the first full key load is done
         self.load: dict[str, int] = {}  # backend id -> in-flight summed over the other replicas
         self.local_load: Any = None  # callable returning this replica's {backend id: in flight}
+        self.on_load: Any = None  # called with the other replicas' summed {backend id: in flight}
+        self.handlers: dict[str, Any] = {}  # extra pub/sub channel -> callable(data) (see cluster.py)
 
     # -- plumbing ------------------------------------------------------------------------------
     async def _call(self, op: str, aw: Awaitable[T]) -> T:
@@ -215,7 +231,10 @@ class RedisStore(StateStore):
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
         try:
+            for script in (self._admit, self._settle_script, self._renew):
+                script.sha = await self._call("script_load", self.r.script_load(script.script))
             await self._call("start", self.sync_keys())
             await self._heartbeat_once()
         except Exception as exc:
@@ -294,7 +313,7 @@ class RedisStore(StateStore):
         while not self._closing:
             pubsub = self.r.pubsub()
             try:
-                await asyncio.wait_for(pubsub.subscribe(self.channel), self.cfg.timeout * 2)
+                await asyncio.wait_for(pubsub.subscribe(self.channel, *self.handlers), self.cfg.timeout * 2)
                 # Subscribed first, then loaded: a change made in between is in the load or in a message.
                 await self._call("sync_keys", self.sync_keys())
                 backoff = 0.1
@@ -302,6 +321,13 @@ class RedisStore(StateStore):
                     msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.2)
                     if msg is not None and msg.get("type") == "message":
                         data = msg["data"]
+                        ch = msg.get("channel")
+                        ch = ch.decode() if isinstance(ch, bytes) else ch
+                        if ch != self.channel:
+                            handler = self.handlers.get(ch)
+                            if handler is not None:
+                                handler(data)
+                            continue
                         digest = data.decode() if isinstance(data, bytes) else str(data)
                         if digest.startswith("sha256:") and len(digest) == 71:
                             await self._refresh_one(digest)
@@ -335,25 +361,89 @@ class RedisStore(StateStore):
 
     async def _decide(self, key: ApiKeyConfig, reserve: int, lease: str) -> tuple[Decision, bool, int]:
         if not self._down():
+            keys = [self._rk(key, "r"), self._rk(key, "t"), self._lease_key(key), self._budget_key(key)]
+            args = [key.rate_limit_rpm or 0, key.rate_limit_tpm or 0, key.max_concurrent or 0, reserve, lease,
+                    int(self.cfg.lease_ttl * 1000), key.budget_tokens or 0, secrets.token_hex(8)]
+            fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            self._admits.append((keys, args, fut))
+            if len(self._admits) == 1:
+                asyncio.get_running_loop().call_soon(self._send_admits)
             try:
-                res = await self._call(
-                    "admit",
-                    self._admit(
-                        keys=[self._rk(key, "r"), self._rk(key, "t"), self._lease_key(key), self._budget_key(key)],
-                        args=[key.rate_limit_rpm or 0, key.rate_limit_tpm or 0, key.max_concurrent or 0, reserve, lease,
-                              int(self.cfg.lease_ttl * 1000), key.budget_tokens or 0],
-                    ),
-                )
+                res = await fut
             except Exception:
                 pass
             else:
-                ok, reason, retry, r, k = res
-                d = Decision(bool(ok), reason.decode() if isinstance(reason, bytes) else reason, int(retry), float(r), float(k))
+                ok, reason, retry, r, k, reset = res
+                d = Decision(bool(ok), reason.decode() if isinstance(reason, bytes) else reason, int(retry), float(r), float(k), int(reset))
                 if d.ok and lease:
                     self._leases[lease] = (self._lease_key(key), lease)
                 return d, True, 1
         share = max(1, self.replicas)
         return self.fallback.admit(key, reserve, lease, share), False, share
+
+    async def _eval_many(self, op: str, calls: list[tuple[Any, list[str], list[Any]]]) -> list[Any]:
+        """Run scripts as one batch of EVALSHA commands on one connection: one write, one round
+        trip. The commands are packed here (redis-py's general packer costs more than the rest of
+        the request); a Redis that lost its scripts (restarted) gets them loaded and the batch
+        re-run once. Results may hold per-call exceptions."""
+        for attempt in (0, 1):
+            buf: list[bytes] = []
+            for script, keys, args in calls:
+                items = [b"EVALSHA", script.sha.encode(), b"%d" % len(keys), *[k.encode() for k in keys], *[_arg(a) for a in args]]
+                buf.append(b"*%d\r\n" % len(items))
+                for item in items:
+                    buf += (b"$%d\r\n" % len(item), item, b"\r\n")
+            results = await self._call(op, self._send_raw(b"".join(buf), len(calls)))
+            if attempt == 0 and any(isinstance(r, NoScriptError) for r in results):
+                for script in {id(c[0]): c[0] for c in calls}.values():
+                    script.sha = await self._call("script_load", self.r.script_load(script.script))
+                continue
+            return results
+        raise AssertionError("unreachable")
+
+    async def _send_raw(self, packed: bytes, n: int) -> list[Any]:
+        pool = self.r.connection_pool
+        conn = await pool.get_connection()
+        try:
+            await conn.send_packed_command(packed, check_health=False)
+            out: list[Any] = []
+            for _ in range(n):
+                try:
+                    out.append(await conn.read_response())
+                except ResponseError as exc:  # an error reply to one command; the rest still follow
+                    out.append(exc)
+        except BaseException:
+            await conn.disconnect()  # half read: it must not go back to the pool as it is
+            raise
+        finally:
+            await pool.release(conn)
+        return out
+
+    def _send_admits(self) -> None:
+        """Every admission asked for in this turn of the loop goes in one pipeline: one connection,
+        one write, one read, however many requests arrived together (each still one round trip)."""
+        batch, self._admits = self._admits, []
+        if batch:
+            task = asyncio.get_running_loop().create_task(self._run_admits(batch))
+            self._inflight.add(task)
+            task.add_done_callback(self._inflight.discard)
+
+    async def _run_admits(self, batch: list[tuple[list[str], list[Any], asyncio.Future[Any]]]) -> None:
+        try:
+            results = await self._eval_many("admit", [(self._admit, keys, args) for keys, args, _ in batch])
+        except Exception as exc:
+            for _, _, fut in batch:
+                if not fut.done():
+                    fut.set_exception(exc)
+            return
+        for (_, _, fut), res in zip(batch, results):
+            if fut.done():
+                continue
+            if isinstance(res, Exception):
+                stats.STATE_ERRORS.labels(op="admit").inc()
+                fut.set_exception(res)
+            else:
+                fut.set_result(res)
 
     def _settle(self, adm: Admission, used: int, prompt: int, completion: int, estimated: bool, counted: bool) -> None:
         key = adm.key
@@ -391,22 +481,17 @@ class RedisStore(StateStore):
             return
         batch = list(self._pending)
         self._pending.clear()
-        pipe = self.r.pipeline(transaction=False)
-        for keys, args in batch:
-            self._settle_script(keys=keys, args=args, client=pipe)
         try:
-            await self._call("settle", pipe.execute())
+            results = await self._eval_many("settle", [(self._settle_script, keys, args) for keys, args in batch])
         except Exception:
             # Kept for later (bounded): usage is counted once Redis is back; leases expire on their own.
             for item in reversed(batch):
                 if len(self._pending) < MAX_PENDING:
                     self._pending.appendleft(item)
             raise
-        finally:
-            try:
-                await pipe.reset()
-            except Exception:
-                pass
+        failed = sum(1 for r in results if isinstance(r, Exception))
+        if failed:
+            stats.STATE_ERRORS.labels(op="settle").inc(failed)
 
     async def _flusher(self) -> None:
         while not self._closing:
@@ -438,7 +523,8 @@ class RedisStore(StateStore):
         pipe.zcard(replicas)
         if self._leases:
             held = list(self._leases.values())
-            self._renew(keys=[k for k, _ in held], args=[ttl_ms, *[lid for _, lid in held]], client=pipe)
+            keys = [k for k, _ in held]
+            pipe.evalsha(self._renew.sha, len(keys), *keys, ttl_ms, *[lid for _, lid in held])
         load_key = f"{self._p}:load:{self.replica}"
         local = self.local_load() if self.local_load is not None else {}
         if local:
@@ -448,7 +534,15 @@ class RedisStore(StateStore):
         else:
             pipe.delete(load_key)
         pipe.zrange(replicas, 0, -1)
-        res = await self._call("heartbeat", pipe.execute())
+        res = await self._call("heartbeat", pipe.execute(raise_on_error=False))
+        if any(isinstance(r, NoScriptError) for r in res):  # a restarted Redis: load the scripts again
+            for script in (self._admit, self._settle_script, self._renew):
+                script.sha = await self._call("script_load", self.r.script_load(script.script))
+        errors = [r for r in res if isinstance(r, Exception) and not isinstance(r, NoScriptError)]
+        if errors:
+            stats.STATE_ERRORS.labels(op="heartbeat").inc()
+            self._mark_down("heartbeat")
+            raise errors[0]
         self.replicas = max(1, int(res[2]))
         others = [m.decode() if isinstance(m, bytes) else m for m in res[-1]]
         others = [m for m in others if m != self.replica]
@@ -462,6 +556,8 @@ class RedisStore(StateStore):
             self.load = total
         else:
             self.load = {}
+        if self.on_load is not None:
+            self.on_load(self.load)
         was_degraded = self.degraded
         self._mark_up()
         if was_degraded:
@@ -519,3 +615,11 @@ async def _hgetall_many(r: Any, keys: list[str]) -> list[dict[Any, Any]]:
     for k in keys:
         pipe.hgetall(k)
     return await pipe.execute()
+
+
+def _arg(a: Any) -> bytes:
+    if isinstance(a, bytes):
+        return a
+    if isinstance(a, int):
+        return b"%d" % a
+    return str(a).encode()

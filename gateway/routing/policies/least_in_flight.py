@@ -15,4 +15,4 @@ class LeastInFlight(Balancer):
     name = "least_in_flight"
 
     def pick(self, candidates: Sequence[Backend], req: RequestInfo) -> Backend:
-        return self._least(candidates, lambda b: b.in_flight)
+        return self._least(candidates, lambda b: b.in_flight + b.remote_in_flight)  # summed over replicas

@@ -1,0 +1,148 @@
+"""What replicas and workers share about the backends, through the Redis store.
+
+- Load: each replica's heartbeat writes its in-flight count per backend under a key that
+  expires with ``state.lease_ttl`` (a dead replica's counts vanish on their own) and reads the
+  others'; their sum lands in ``Backend.remote_in_flight`` for the balancer.
+- Ejection: when this replica ejects a failing backend it publishes the backend id and how long;
+  the others eject it for as long (an ejection they learn is not published again).
+- Directory: the one process that launches api_servers (worker 0 of ``--workers N``) publishes
+  the launched backends every second; followers add them to their pool and drop those that go.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import orjson
+
+from .redis import RedisStore
+
+log = logging.getLogger("gateway.state.cluster")
+
+DIRECTORY_EVERY = 1.0
+DIRECTORY_TTL_MS = 5000
+
+
+class Cluster:
+    def __init__(self, store: RedisStore, pool: Any, make_backend: Any, *, publish_backends: bool, follow_backends: bool) -> None:
+        """pool: the routing layer's BackendPool; make_backend: its Backend class (this layer sits below routing)."""
+        self.store = store
+        self.pool = pool
+        self.make_backend = make_backend
+        self.publish_backends = publish_backends
+        self.follow_backends = follow_backends
+        self.events = f"{store.cfg.prefix}:events"
+        self.directory = f"{store.cfg.prefix}:backends"
+        self._seen_ejections: dict[str, int] = {}
+        self._learned: set[str] = set()  # backend ids added from the directory
+        self._task: asyncio.Task[None] | None = None
+        self._sends: set[asyncio.Task[Any]] = set()
+
+    def start(self) -> None:
+        self.store.local_load = lambda: {b.id: b.in_flight for b in self.pool if b.in_flight > 0}
+        self.store.on_load = self._apply_load
+        self.store.handlers[self.events] = self._on_event
+        self.pool.on_change(self._on_change)
+        if self.publish_backends or self.follow_backends:
+            self._task = asyncio.get_running_loop().create_task(self._directory_loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except BaseException:
+                pass
+
+    # -- load ------------------------------------------------------------------------------------
+    def _apply_load(self, totals: dict[str, int]) -> None:
+        for b in self.pool:
+            b.remote_in_flight = totals.get(b.id, 0)
+
+    # -- ejection ----------------------------------------------------------------------------------
+    def _on_change(self, b: Any) -> None:
+        now = time.monotonic()
+        if b.ejected_until > now and self._seen_ejections.get(b.id) != b.ejections:
+            self._seen_ejections[b.id] = b.ejections
+            msg = orjson.dumps({"kind": "eject", "backend": b.id, "seconds": round(b.ejected_until - now, 3), "from": self.store.replica})
+            task = asyncio.get_running_loop().create_task(self._publish(msg))
+            self._sends.add(task)
+            task.add_done_callback(self._sends.discard)
+
+    async def _publish(self, msg: bytes) -> None:
+        try:
+            await self.store._call("publish", self.store.r.publish(self.events, msg))
+        except Exception:
+            pass  # Redis down: the others find the failing backend out on their own
+
+    def _on_event(self, data: bytes | str) -> None:
+        try:
+            event = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return
+        if not isinstance(event, dict) or event.get("from") == self.store.replica or event.get("kind") != "eject":
+            return
+        b = self.pool.get(str(event.get("backend")))
+        seconds = event.get("seconds")
+        if b is None or not isinstance(seconds, (int, float)) or not 0 < seconds <= 3600:
+            return
+        until = time.monotonic() + seconds
+        if until > b.ejected_until:
+            b.ejected_until = until
+            b.returned_at = until  # ramped up slowly on return, as after a local ejection
+            self._seen_ejections[b.id] = b.ejections
+            log.warning("backend %s ejected for %.1fs: another replica saw it fail", b.id, seconds)
+
+    # -- directory of launched backends ----------------------------------------------------------------
+    async def _directory_loop(self) -> None:
+        while True:
+            try:
+                if self.publish_backends:
+                    await self._publish_directory()
+                if self.follow_backends:
+                    await self._follow_directory()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.debug("backend directory: %s", exc.__class__.__name__)
+            await asyncio.sleep(DIRECTORY_EVERY)
+
+    async def _publish_directory(self) -> None:
+        entries = {
+            b.id: orjson.dumps({"url": b.url, "api_key": b.api_key, "models": sorted(b.models)})
+            for b in self.pool
+            if b.origin == "launched"
+        }
+        pipe = self.store.r.pipeline(transaction=True)
+        pipe.delete(self.directory)
+        if entries:
+            pipe.hset(self.directory, mapping=entries)
+            pipe.pexpire(self.directory, DIRECTORY_TTL_MS)
+        await self.store._call("directory", pipe.execute())
+
+    async def _follow_directory(self) -> None:
+        raw = await self.store._call("directory", self.store.r.hgetall(self.directory))
+        present: set[str] = set()
+        for k, v in raw.items():
+            bid = k.decode() if isinstance(k, bytes) else k
+            try:
+                entry = orjson.loads(v)
+                url, models = str(entry["url"]), frozenset(str(m) for m in entry["models"])
+                api_key = entry.get("api_key")
+            except (orjson.JSONDecodeError, KeyError, TypeError):
+                continue
+            present.add(bid)
+            b = self.pool.get(bid)
+            if b is None:
+                self.pool.add(self.make_backend(id=bid, url=url, api_key=api_key, models=models, static_models=True, origin="launched"))
+                self._learned.add(bid)
+                log.info("backend %s learned from the launching process", bid)
+            elif bid in self._learned and b.url != url:
+                b.url = url
+        for bid in list(self._learned - present):
+            self.pool.remove(bid)
+            self._learned.discard(bid)
+            log.info("backend %s gone from the launching process", bid)

@@ -1,0 +1,172 @@
+"""gateway/server as a process: its config, a busy port, lifespan, and the drain on SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import orjson
+import pytest
+
+from gateway.config import ConfigError, parse_config
+from gateway.server.limits import connection_cap
+from support import ROOT, Sim, free_port, wait_until
+
+pytestmark = pytest.mark.e2e
+
+
+def _problems(server: dict) -> list[str]:
+    with pytest.raises(ConfigError) as exc:
+        parse_config({"server": server, "auth": {"disabled": True}, "backends": [{"url": "http://127.0.0.1:9"}]})
+    return exc.value.problems
+
+
+def test_bad_server_limits_are_named_one_per_problem():
+    problems = _problems({"max_headers": 0, "header_timeout": -1, "http": "h2", "max_header_bytes": "big"})
+    text = "\n".join(problems)
+    assert len(problems) == 4, problems
+    for field in ("server.max_headers", "server.header_timeout", "server.http", "server.max_header_bytes"):
+        assert field in text
+    assert "native" in text and "uvicorn" in text  # the valid choices
+
+
+def test_request_line_limit_cannot_exceed_the_head_limit():
+    problems = _problems({"max_request_line_bytes": 32768, "max_header_bytes": 16384})
+    assert problems == [p for p in problems if "server.max_request_line_bytes" in p] and "max_header_bytes" in problems[0]
+
+
+def test_connection_cap_leaves_headroom_under_the_file_limit():
+    assert connection_cap(1024) == 480  # half of what the 64 reserved files leave: one upstream per client
+    assert connection_cap(256) == 96
+    assert connection_cap(10) == 8
+
+
+def _config(tmp_path, port: int, backend: str, **server) -> str:
+    path = tmp_path / "gw.json"
+    path.write_bytes(orjson.dumps({
+        "server": {"port": port, "log_level": "info", **server},
+        "auth": {"disabled": True},
+        "backends": [{"url": backend, "api_key": "backend-secret", "models": ["test-model"]}],
+        "health": {"interval": 0.5},
+        "timeouts": {"drain": 10},
+    }))
+    return str(path)
+
+
+def test_a_busy_port_is_a_clear_error_before_anything_starts(tmp_path):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "gateway", "serve", "--config", _config(tmp_path, port, "http://127.0.0.1:9")],
+            cwd=ROOT, capture_output=True, text=True, timeout=30,
+        )
+    assert proc.returncode == 1
+    assert f"127.0.0.1:{port}" in proc.stderr and "already in use" in proc.stderr
+    assert "Traceback" not in proc.stderr and "gateway started" not in proc.stderr
+
+
+def test_sigterm_drains_an_in_flight_stream_then_exits(tmp_path):
+    with Sim("test-model", "--tpot", "0.05", api_key="backend-secret") as sim:
+        port = free_port()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway", "serve", "--config", _config(tmp_path, port, sim.url)],
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+        )
+        try:
+            url = f"http://127.0.0.1:{port}"
+
+            def ready() -> bool:
+                try:
+                    return httpx.get(url + "/ready", timeout=1).status_code == 200
+                except httpx.HTTPError:
+                    return False
+
+            wait_until(ready, 30, 0.05, "gateway ready")
+            body = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 30, "stream": True}
+            with httpx.Client(timeout=20) as client, client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+                lines = r.iter_lines()
+                first = next(lines)
+                assert first.startswith("data:")
+                proc.send_signal(signal.SIGTERM)
+                started = time.monotonic()
+                wait_until(lambda: _refused(port), 5, 0.02, "the listening socket closed")
+                rest = list(lines)  # the stream in flight runs to its end
+            assert r.status_code == 200 and rest[-1] == "data: [DONE]" or "data: [DONE]" in rest
+            assert proc.wait(15) == 0
+            assert time.monotonic() - started < 10
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(5)
+            err = proc.stderr.read().decode() if proc.stderr else ""
+            if proc.stderr:
+                proc.stderr.close()
+    assert "shutting down" in err and "Traceback" not in err
+
+
+def _refused(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return False
+    except OSError:
+        return True
+
+
+def test_a_failed_lifespan_start_up_ends_the_server_with_status_1():
+    from gateway import server as http_server
+    from gateway.config import ServerConfig
+
+    async def app(scope, receive, send):
+        assert scope["type"] == "lifespan"
+        await receive()
+        await send({"type": "lifespan.startup.failed", "message": "no backends could start"})
+
+    sock = http_server.bind("127.0.0.1", 0)
+    srv = http_server.Server(app, ServerConfig(), drain=1.0, sockets=[sock])
+    loop = http_server.new_loop()
+    try:
+        assert loop.run_until_complete(srv.run(install_signals=False)) == 1
+    finally:
+        loop.close()
+        sock.close()
+    assert not srv.started
+
+
+def test_start_serves_a_second_app_in_a_running_loop_with_the_same_bounds():
+    import asyncio
+
+    from gateway import server as http_server
+    from gateway.config import ServerConfig
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async def main() -> tuple[bytes, bytes]:
+        sock = http_server.bind("127.0.0.1", 0)
+        serving = await http_server.start(app, ServerConfig(max_headers=8), drain=1.0, sockets=[sock])
+        try:
+            answers = []
+            for extra in (b"", b"X-A: 1\r\n" * 20):
+                reader, writer = await asyncio.open_connection("127.0.0.1", serving.port)
+                writer.write(b"GET / HTTP/1.1\r\nHost: a\r\nConnection: close\r\n" + extra + b"\r\n")
+                answers.append(await asyncio.wait_for(reader.read(), 5))
+                writer.close()
+            return answers[0], answers[1]
+        finally:
+            await serving.stop()
+            sock.close()
+
+    loop = http_server.new_loop()
+    try:
+        ok, too_many = loop.run_until_complete(main())
+    finally:
+        loop.close()
+    assert ok.startswith(b"HTTP/1.1 200 ") and ok.endswith(b"ok")
+    assert too_many.startswith(b"HTTP/1.1 431 ")

@@ -1,0 +1,72 @@
+"""Replicas share what they know about the backends through Redis: load and ejections."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+
+import httpx
+import pytest
+
+from support import GatewayServer, Sim, gateway_config, wait_until
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "test-model"
+
+
+def _pair(keys, sim: Sim, redis_url: str, **sections):
+    cfg = gateway_config(keys, [{"url": sim.url, "api_key": "backend-secret", "name": "sim-0"}],
+                         state={"redis_url": redis_url, "prefix": "t" + secrets.token_hex(4), "lease_ttl": 3}, **sections)
+    return GatewayServer(cfg), GatewayServer(cfg)
+
+
+def _post(gw: GatewayServer, key: str, **extra) -> httpx.Response:
+    return httpx.post(gw.url + "/v1/chat/completions", headers={"authorization": f"Bearer {key}"}, timeout=30,
+                      json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra})
+
+
+def test_one_replicas_ejection_of_a_failing_backend_is_seen_by_the_other(keys, redis_server):
+    with Sim(MODEL, "--ttft", "0", "--tpot", "0", api_key="backend-secret") as sim:
+        a, b = _pair(keys, sim, redis_server.url, health={"interval": 0.2, "timeout": 1.0, "failures_to_eject": 3, "ejection_base": 30})
+        try:
+            sim.control(fail_next={"count": 3, "status": 500})
+            for _ in range(3):
+                assert _post(a, keys.alice).status_code == 500
+            backend_a = a.gateway.pool.get("sim-0")
+            assert backend_a.ejected_until > time.monotonic()  # a ejected it itself
+            backend_b = b.gateway.pool.get("sim-0")
+            started = time.monotonic()
+            wait_until(lambda: backend_b.ejected_until > time.monotonic(), 2, 0.02, "the ejection on the other replica")
+            assert time.monotonic() - started < 1.0
+            assert backend_b.ejected_until - time.monotonic() > 20  # for about as long as a ejected it
+            assert _post(b, keys.alice).status_code == 503  # b sends nothing to it meanwhile
+        finally:
+            a.stop()
+            b.stop()
+
+
+def test_in_flight_per_backend_is_summed_over_replicas_and_a_dead_replicas_count_expires(keys, redis_server):
+    with Sim(MODEL, "--ttft", "2", "--tpot", "0", api_key="backend-secret") as sim:
+        a, b = _pair(keys, sim, redis_server.url)
+        try:
+            done = threading.Event()
+            t = threading.Thread(target=lambda: (_post(a, keys.alice), done.set()))
+            t.start()
+            backend_b = b.gateway.pool.get("sim-0")
+            wait_until(lambda: backend_b.remote_in_flight == 1, 3, 0.02, "a's in-flight request counted by b")
+            assert backend_b.in_flight == 0
+            t.join(10)
+            assert done.is_set()
+            wait_until(lambda: backend_b.remote_in_flight == 0, 3, 0.02, "the finished request no longer counted")
+            # A replica that dies mid-request: its count expires with its heartbeat key (lease_ttl 3 s).
+            threading.Thread(target=lambda: _post(a, keys.alice), daemon=True).start()
+            wait_until(lambda: backend_b.remote_in_flight == 1, 3, 0.02, "counted again")
+            a.gateway.store._closing = True  # its heartbeat stops, as if the process were gone
+            for task in a.gateway.store._tasks:
+                a.gateway.store.loop.call_soon_threadsafe(task.cancel)
+            wait_until(lambda: backend_b.remote_in_flight == 0, 6, 0.05, "the dead replica's count expired")
+        finally:
+            a.stop()
+            b.stop()
