@@ -366,3 +366,13 @@ def test_lower_classes_leave_reserved_slots_free_while_interactive_requests_come
     assert isinstance(adm.admit(req(), "ui", INTERACTIVE), Backend)  # interactive may use the reserve
     clock.t += 31.0  # no interactive request for longer than the reserve is kept
     assert adm.drain("m") == [held]
+
+
+def test_other_replicas_in_flight_from_the_shared_state_take_slots_too():
+    clock = Clock()
+    bal = mel(clock, slots=2)
+    (a,) = backends("a")
+    assert bal.predict([a], req())[0].wait == 0
+    a.remote_in_flight = 2  # two requests through another gateway replica fill the batch
+    p = bal.predict([a], req())[0]
+    assert p.wait > 0 and p.free == 0

@@ -17,8 +17,8 @@ import logging
 import random
 import sys
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from dataclasses import dataclass
+from typing import Callable, Iterable
 
 import httpx
 import orjson

@@ -208,15 +208,18 @@ class ExpectedLatencyBalancer(Balancer):
             rems.append((rem, j.kv_tokens))
         sizes = self._sizes(req.model)
         ext_rem = 0.0
-        if m.ext:
+        # Others' sequences on b: what its /metrics shows beyond ours, or what the other gateway
+        # replicas report through the shared state (fresher), whichever is more.
+        ext = max(m.ext, float(b.remote_in_flight))
+        if ext:
             ext_rem = min(sizes.out_avg / 2, d)
-            shared += m.ext * ext_rem
-            queued += m.ext * sizes.prompt(req) * 0.1  # some of the others are in prefill; a rough share
+            shared += ext * ext_rem
+            queued += ext * sizes.prompt(req) * 0.1  # some of the others are in prefill; a rough share
         prompt = sizes.prompt(req)
         uncached = max(0.0, prompt - key_tokens(depth))
         prefill = self.rho * sigma * (queued + uncached)
         lat = prefill + sigma * (1.0 + g) * d + sigma * g * shared
-        wait = self._wait_steps(m, rems, prompt + d, int(m.ext), sizes.out_avg / 2)
+        wait = self._wait_steps(m, rems, prompt + d, int(ext), sizes.out_avg / 2)
         wait_s = wait * step
         lat += wait_s
         others = self.config.others_weight
@@ -239,7 +242,7 @@ class ExpectedLatencyBalancer(Balancer):
             pen = self.config.kv_penalty * k / (1.0 - k)
             lat += pen
             ttft += pen
-        free = m.slots - len(rems) - m.ext if m.slots is not None else float("inf")
+        free = m.slots - len(rems) - ext if m.slots is not None else float("inf")
         return Prediction(ttft=ttft, e2e=lat, wait=wait_s / ramp, slots=m.slots, free=free, prefill_ahead=self.rho * sigma * queued / ramp), depth
 
     def predict(self, candidates: Sequence[Backend], req: RequestInfo) -> list[Prediction]:
