@@ -190,7 +190,8 @@ def test_others_weight_adds_the_delay_the_request_causes_its_batch_mates(weight)
         bal.first_byte(a, r, 0.0)
     lat, _ = bal.explain([a], req(prompt=1, out=100))["a"]
     own = bal.rho * SIGMA0 + SIGMA0 * (1 + GAMMA0) * 100 + SIGMA0 * GAMMA0 * 120
-    assert lat == pytest.approx(own + weight * SIGMA0 * GAMMA0 * 120)
+    stall = bal.rho * SIGMA0 * 1 * 3  # r's one prompt token prefilled while the 3 others wait
+    assert lat == pytest.approx(own + weight * (SIGMA0 * GAMMA0 * 120 + stall))
 
 
 def test_others_weight_counts_the_queue_a_full_batch_builds():
@@ -205,7 +206,8 @@ def test_others_weight_counts_the_queue_a_full_batch_builds():
     load(bal0, b, 3, out=50)
     lat_own, _ = bal0.explain([b], req(prompt=1, out=100))["b"]
     step = SIGMA0 * (1 + GAMMA0 * 2)
-    assert lat_full - lat_own == pytest.approx(SIGMA0 * GAMMA0 * 150 + 2 * 100 * step / 2)
+    stall = bal.rho * SIGMA0 * 1 * 2  # only the 2 in the batch wait for r's prefill
+    assert lat_full - lat_own == pytest.approx(SIGMA0 * GAMMA0 * 150 + 2 * 100 * step / 2 + stall)
 
 
 def test_decoded_tokens_of_running_requests_are_no_longer_counted():
@@ -679,3 +681,45 @@ async def test_the_gateway_forgets_a_backend_the_pool_removes():
     assert gw.balancer.models.get(x) is not None
     gw.pool.remove("x")
     assert gw.balancer.models.get(x) is None
+
+
+def test_slots_a_launcher_gave_the_backend_count_without_balancer_slots():
+    bal = mel()
+    a, b = backends("a", "b")
+    a.slots = 2  # launched with max_batch_size 2
+    load(bal, a, 3, out=50)
+    load(bal, b, 3, out=50)
+    assert bal._model(a).slots == 2 and bal._model(b).slots is None
+    (pa,) = bal.predict([a], req(prompt=1, out=100))
+    (pb,) = bal.predict([b], req(prompt=1, out=100))
+    assert pa.slots == 2 and pa.free == -1 and pa.wait > 0  # full: r waits for a slot
+    assert pb.slots is None and pb.wait == 0
+    # balancer.slots, when an operator sets it, wins over the launcher's
+    bal2 = mel(slots=8)
+    (c,) = backends("c")
+    c.slots = 2
+    assert bal2._model(c).slots == 8
+
+
+def test_a_prefix_miss_costs_the_others_the_prefill_stall_of_their_batch():
+    """r's uncached prefill stalls every sequence decoding on the backend: with others_weight, the
+    backend holding r's prefix gains by (uncached tokens saved) x (its batch), not by r's prefill alone."""
+    keys = prefix_keys("d" * 2048)
+    bal = mel(others_weight=1.0)
+    a, b = backends("a", "b")
+    bal.dispatched(a, req(prompt=512, out=1000, stream=True, keys=keys))  # a holds the 512-token prefix
+    load(bal, a, 9, out=1000)
+    load(bal, b, 10, out=1000)
+    r = req(prompt=600, out=50, keys=keys)
+    ex = bal.explain([a, b], r)
+    assert ex["a"][1] == len(keys) and ex["b"][1] == 0
+    bal0 = mel(others_weight=0.0)
+    c, d = backends("c", "d")
+    bal0.dispatched(c, req(prompt=512, out=1000, stream=True, keys=keys))
+    load(bal0, c, 9, out=1000)
+    load(bal0, d, 10, out=1000)
+    ex0 = bal0.explain([c, d], r)
+    gain_selfish = ex0["d"][0] - ex0["c"][0]
+    gain = ex["b"][0] - ex["a"][0]
+    saved = key_tokens(len(keys))
+    assert gain - gain_selfish == pytest.approx(bal.rho * SIGMA0 * saved * 10, rel=1e-6)

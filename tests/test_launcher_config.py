@@ -11,8 +11,10 @@ from gateway.config import ConfigError, parse_config
 from gateway.config.fields import Problems, Section
 from gateway.config.launch import LaunchGroup, flag_name, read_launch
 from gateway.launcher.spawn import (
+    SIM_DEFAULT_MAX_BATCH_SIZE,
     LaunchError,
     instance_env,
+    launched_slots,
     lmdeploy_argv,
     plan_group,
     probe_devices,
@@ -370,3 +372,18 @@ def test_exit_statuses_read_as_words(code, text):
     from gateway.launcher.process import describe_exit
 
     assert describe_exit(code) == text
+
+
+# -- the batch slots the balancer is told --------------------------------------------------------------
+def test_launched_slots_are_the_groups_max_batch_size_or_the_simulators_default():
+    assert launched_slots(plan_group(one(max_batch_size=48), devices([0, 1]), NO_LMDEPLOY)) == 48
+    assert launched_slots(plan_group(one(max_batch_size=48), devices([0, 1], "nvidia-smi lists 2 GPU(s)"), LMDEPLOY)) == 48
+    assert launched_slots(plan_group(one(), devices([0, 1]), NO_LMDEPLOY)) == SIM_DEFAULT_MAX_BATCH_SIZE
+    # lmdeploy's own default depends on the device: unknown, left for /metrics to show
+    assert launched_slots(plan_group(one(), devices([0, 1], "nvidia-smi lists 2 GPU(s)"), LMDEPLOY)) is None
+
+
+def test_the_simulators_default_batch_size_is_the_one_the_launcher_assumes():
+    from gateway.sim.config import build_parser
+
+    assert build_parser().get_default("max_batch_size") == SIM_DEFAULT_MAX_BATCH_SIZE

@@ -177,6 +177,18 @@ def lmdeploy_args(plan: GroupPlan, port: int) -> list[str]:
     return argv
 
 
+# The simulator's --max-batch-size when the group sets none (gateway/sim/config.py; a test keeps them equal).
+SIM_DEFAULT_MAX_BATCH_SIZE = 64
+
+
+def launched_slots(plan: GroupPlan) -> int | None:
+    """An instance's batch slots as the balancer should assume them: the group's ``max_batch_size``,
+    else the simulator's default; None for lmdeploy without it (its default depends on the device)."""
+    if plan.group.max_batch_size is not None:
+        return plan.group.max_batch_size
+    return SIM_DEFAULT_MAX_BATCH_SIZE if plan.engine == "sim" else None
+
+
 def sim_argv(plan: GroupPlan, port: int, api_key: str) -> list[str]:
     """The simulated api_server's argv as its parser reads it: the key like lmdeploy's (same code path)."""
     return [sys.executable, "-m", "gateway.sim", *sim_args(plan, port), "--api-keys", api_key]

@@ -39,6 +39,7 @@ from .spawn import (
     instance_argv,
     instance_env,
     launch_argv,
+    launched_slots,
     plan_group,
     probe_devices,
     probe_lmdeploy,
@@ -410,6 +411,7 @@ class Launcher:
                     health_status="unknown",
                     check_interval=inst.group.health_interval,
                     role=inst.group.role,
+                    slots=launched_slots(inst.plan),
                 )
             )
         else:

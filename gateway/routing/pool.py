@@ -81,6 +81,7 @@ class Backend:
     check_interval: float | None = None  # its own /health interval (a launch group's); None: health.interval
     next_check: float = 0.0
     remote_in_flight: int = 0  # in flight through the other gateway replicas (the shared state store sums them)
+    slots: int | None = None  # its engine's batch slots when the gateway launched it (--max-batch-size); None: unknown
 
     def auth_headers(self) -> list[tuple[bytes, bytes]]:
         return [(b"authorization", b"Bearer " + self.api_key.encode())] if self.api_key else []
