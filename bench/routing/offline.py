@@ -11,6 +11,7 @@ health checks, retries. Its figures are not the bench's figures.
 from __future__ import annotations
 
 import argparse
+import bisect
 import dataclasses
 import heapq
 import itertools
@@ -26,6 +27,7 @@ if __package__ in (None, ""):
 
 from gateway.config.balancer import BalancerConfig  # noqa: E402
 from gateway.routing.policies import Outcome, make_balancer, request_info  # noqa: E402
+from gateway.routing.policies.base import Balancer  # noqa: E402
 from gateway.config.balancer import DEFAULT_PRIORITY, PRIORITY_NAMES  # noqa: E402
 from gateway.routing.pool import Backend  # noqa: E402
 from gateway.routing.queue import Admission, Waiter  # noqa: E402
@@ -141,6 +143,53 @@ class Engine:
         self.gauges = (len(self.running), len(self.waiting), self.kv / self.p.kv_capacity_tokens)
 
 
+class CacheAwareCopy(Balancer):
+    """The SGLang model gateway's ``cache_aware`` as its docs describe it (HTTP mode: a radix tree of
+    request text per worker), for the replay only: when loads are balanced (in flight, max - min at
+    most ``balance_abs`` or max at most ``balance_rel`` x min) the worker whose tree matches the
+    longest prefix of the text, if it covers more than ``cache_threshold`` of it; otherwise the
+    least loaded. The tree is a sorted list per worker: the longest common prefix with a set of
+    strings is the one with a neighbour in sort order. No eviction (a 60-s trace never fills it)."""
+
+    name = "smg:cache_aware"
+
+    def __init__(self, *args, cache_threshold: float = 0.3, balance_abs: int = 64, balance_rel: float = 1.5, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.cache_threshold, self.balance_abs, self.balance_rel = cache_threshold, balance_abs, balance_rel
+        self.texts: dict[str, list[str]] = {}
+        self.text_of: dict[int, str] = {}  # id(RequestInfo): its rendered prompt, set by the replay
+
+    @staticmethod
+    def _lcp(a: str, b: str) -> int:
+        n = min(len(a), len(b))
+        i = 0
+        while i < n and a[i] == b[i]:
+            i += 1
+        return i
+
+    def _match(self, b: Backend, text: str) -> int:
+        xs = self.texts.get(b.id, [])
+        i = bisect.bisect_left(xs, text)
+        return max((self._lcp(text, xs[j]) for j in (i - 1, i) if 0 <= j < len(xs)), default=0)
+
+    def pick(self, candidates, req):
+        loads = [b.in_flight for b in candidates]
+        hi, lo = max(loads), min(loads)
+        if hi - lo > self.balance_abs and hi > self.balance_rel * lo:
+            return self._least(candidates, lambda b: b.in_flight)
+        text = self.text_of.get(id(req), "")
+        best = max(candidates, key=lambda b: self._match(b, text))
+        if text and self._match(best, text) / len(text) > self.cache_threshold:
+            return best
+        return self._least(candidates, lambda b: b.in_flight)
+
+    def dispatched(self, backend, req):
+        super().dispatched(backend, req)
+        text = self.text_of.pop(id(req), "")
+        if text:
+            bisect.insort(self.texts.setdefault(backend.id, []), text)
+
+
 def policy_spec(spec: str, cfg: BalancerConfig) -> tuple[str, BalancerConfig]:
     """``name`` or ``name:field=value+field=value`` (a variant of a policy's knobs, for comparing them)."""
     name, _, knobs = spec.partition(":")
@@ -159,8 +208,11 @@ def policy_spec(spec: str, cfg: BalancerConfig) -> tuple[str, BalancerConfig]:
 def replay(policy: str, speeds: list[float], trace, params: SimParams, cfg: BalancerConfig, seed: int = 0, warmup: float = 0.1) -> dict:
     loop = Loop()
     spec = policy
-    policy, cfg = policy_spec(spec, cfg)
-    bal = make_balancer(policy, cfg, clock=lambda: loop.now, rng=random.Random(seed))
+    policy, cfg = (spec, cfg) if spec == "smg:cache_aware" else policy_spec(spec, cfg)
+    if policy == "smg:cache_aware":
+        bal = CacheAwareCopy(cfg, clock=lambda: loop.now, rng=random.Random(seed))
+    else:
+        bal = make_balancer(policy, cfg, clock=lambda: loop.now, rng=random.Random(seed))
     backends = [Backend(id=f"b{i}", url="", models=frozenset({"m"}), healthy=True, returned_at=0.0) for i in range(len(speeds))]
     results: dict[int, tuple[float, float]] = {}
     refused: dict[int, tuple[float, int]] = {}  # index: (seconds to the refusal, status)
@@ -205,6 +257,8 @@ def replay(policy: str, speeds: list[float], trace, params: SimParams, cfg: Bala
         req = request_info("m", item.body)
         req.stream = True
         arrived[i] = loop.now
+        if isinstance(bal, CacheAwareCopy):
+            bal.text_of[id(req)] = render_chat(item.body)
         if adm is None:
             b = bal.pick(backends, req)
             bal.dispatched(b, req)
