@@ -29,6 +29,7 @@ from gateway.config.launch import read_launch
 from gateway.launcher import Launcher
 from gateway.launcher import process as launcher_process
 from gateway.launcher.guard import group_members
+from gateway.launcher.spawn import SIM_DEFAULT_MAX_BATCH_SIZE
 from gateway.routing.pool import Backend, BackendPool
 from support import alive, launched
 from support import launched_pids as pids_of
@@ -138,11 +139,13 @@ async def test_instances_join_the_pool_only_once_healthy_and_answer_only_the_int
 
 
 async def test_several_groups_serve_several_models_beside_remote_backends_which_are_never_touched(tmp_path):
-    lm, pool = launcher(tmp_path, sim_group(instances=1), sim_group(model="other-model", model_name="other", instances=1))
+    lm, pool = launcher(tmp_path, sim_group(instances=1), sim_group(model="other-model", model_name="other", instances=1, max_batch_size=8))
     remote = pool.add(Backend(id="chat#0", url="http://10.0.0.12:23333", api_key="theirs", models=frozenset({"chat"})))
     async with launched(lm):
         await until(lambda: lm.status()["healthy"] == 2, 10, "healthy")
         assert {b.id: b.models for b in pool if b.origin == "launched"} == {"chat#1": frozenset({"chat"}), "other#0": frozenset({"other"})}
+        # the balancer is told each launched engine's batch slots: the group's, else the sim's default
+        assert {b.id: b.slots for b in pool} == {"chat#0": None, "chat#1": SIM_DEFAULT_MAX_BATCH_SIZE, "other#0": 8}
         assert pool.get("chat#0") is remote and remote.api_key == "theirs"
     assert list(pool) == [remote]
 
