@@ -723,3 +723,24 @@ def test_a_prefix_miss_costs_the_others_the_prefill_stall_of_their_batch():
     gain = ex["b"][0] - ex["a"][0]
     saved = key_tokens(len(keys))
     assert gain - gain_selfish == pytest.approx(bal.rho * SIGMA0 * saved * 10, rel=1e-6)
+
+
+def test_slow_start_is_relative_to_the_other_candidates():
+    """Backends that came up together are taken as they are; one that came back later ramps against them."""
+    clock = Clock()
+    bal = mel(clock, slow_start=30.0, slots=4)
+    a, b = backends("a", "b")
+    for x in (a, b):
+        x.returned_at = clock.t - 12.0  # the gateway's first health checks, 12 s ago: ramp 0.4
+    load(bal, a, 6, out=100)  # full: 2 wait for a slot
+    (pa,) = bal.predict([a], req(prompt=1, out=100))
+    bal_plain = mel(Clock(clock.t), slow_start=0.0, slots=4)
+    (c,) = backends("c")
+    load(bal_plain, c, 6, out=100)
+    (pc,) = bal_plain.predict([c], req(prompt=1, out=100))
+    assert pa.e2e == pytest.approx(pc.e2e) and pa.wait == pytest.approx(pc.wait)  # no 10x inflation at start
+    b.returned_at = clock.t - 6.0  # b came back later than a (ramp 0.2): it still ramps against a
+    pa2, pb2 = bal.predict([a, b], req(prompt=1, out=100))
+    assert pa2.e2e == pytest.approx(pc.e2e)
+    _, pb_plain = bal_plain.predict([c, Backend(id="d", url="http://d.invalid", models=frozenset({"m"}), healthy=True)], req(prompt=1, out=100))
+    assert pb2.e2e == pytest.approx(pb_plain.e2e / 0.5)  # 0.2 over a's 0.4

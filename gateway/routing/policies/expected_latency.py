@@ -91,7 +91,9 @@ class ExpectedLatencyBalancer(Balancer):
       and it weighs affinity by the batch it would stall: in the offline replay (heterogeneous fleet,
       80 %, seeds 7/1/2) it lifts the hit rate from 57 % to 59 % and cuts mean TTFT by 12 %.
     - ramp_b = max(0.1, time since b returned / ``slow_start``): a backend back from ejection or
-      unhealth looks slower than it is, so it fills up gradually instead of taking the queue.
+      unhealth looks slower than it is, so it fills up gradually instead of taking the queue;
+      relative to the candidates' highest ramp, so backends that came up together (a gateway
+      start) are taken as they are.
     - k_b: the scraped KV-cache usage (SGLang's term), ignored when the scrape is stale.
 
     Learning, from the responses that pass through (usage, stream timing):
@@ -130,6 +132,7 @@ class ExpectedLatencyBalancer(Balancer):
         self._rho_num = 0.0
         self._rho_den = 0.0
         self._fleet = self.SIGMA0  # the candidates' pooled σ at the last pick
+        self._top = 1.0  # the candidates' highest slow-start ramp at the last estimate
         self.affinity_picks = 0  # picks where affinity overrode the minimum
         self.picks = 0
 
@@ -180,6 +183,13 @@ class ExpectedLatencyBalancer(Balancer):
         if w <= 0 or not b.returned_at:
             return 1.0
         return min(1.0, max(self.MIN_RAMP, (now - b.returned_at) / w))
+
+    def _ramp_top(self, candidates: Sequence[Backend], now: float) -> None:
+        # Slow start is relative: a backend ramps up against the others. When every candidate came
+        # up together (a gateway start, the pool's first health checks), none is slower than the
+        # rest, and dividing all predictions by the same small ramp would only make every backend
+        # look busy to the queue (hold_wait) and the TTFT bound.
+        self._top = max((self._ramp(c, now) for c in candidates), default=1.0)
 
     # -- the estimate -----------------------------------------------------------------------------
     def expected_latency(self, b: Backend, req: RequestInfo, now: float, fleet: float, depth: int | None = None) -> tuple[float, int]:
@@ -246,7 +256,7 @@ class ExpectedLatencyBalancer(Balancer):
         # The first token comes after the wait for a slot (the prefill queue drains meanwhile), r's
         # own prefill and one step.
         ttft = max(wait_s, self.rho * sigma * queued) + self.rho * sigma * uncached + step
-        ramp = self._ramp(b, now)
+        ramp = min(1.0, self._ramp(b, now) / self._top)
         lat /= ramp
         ttft /= ramp
         sig = m.signals
@@ -263,6 +273,7 @@ class ExpectedLatencyBalancer(Balancer):
         self._prepare(req)
         now = self.clock()
         fleet = self.fleet_sigma(candidates)
+        self._ramp_top(candidates, now)
         return [self._estimate(b, req, now, fleet)[0] for b in candidates]
 
     @staticmethod
@@ -289,6 +300,7 @@ class ExpectedLatencyBalancer(Balancer):
         now = self.clock()
         self._prepare(req)
         fleet = self.fleet_sigma(candidates)
+        self._ramp_top(candidates, now)
         return {b.id: self.expected_latency(b, req, now, fleet) for b in candidates}
 
     def _prepare(self, req: RequestInfo) -> None:
@@ -304,6 +316,7 @@ class ExpectedLatencyBalancer(Balancer):
             return candidates[0]
         now = self.clock()
         fleet = self._fleet = self.fleet_sigma(candidates)
+        self._ramp_top(candidates, now)
         scored = []  # (the objective's score, prefix depth, backend)
         objective = self.config.objective
         preds = [(*self._estimate(b, req, now, fleet), b) for b in candidates]
