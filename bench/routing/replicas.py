@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--shared", type=float, default=0.5, help="share of requests that open with a shared document")
     p.add_argument("--warmup", type=float, default=0.1, help="share of the first requests left out of the figures")
+    p.add_argument("--load-interval", type=float, default=None, help="state.load_interval of the replicas (default: the gateway's, 0.05 s)")
     p.add_argument("--no-single-redis", action="store_true", help="leave out the one-replica-with-Redis row")
     args = p.parse_args(argv)
     if not 1 <= args.replicas <= 16:
@@ -115,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
             for i, (name, n, prefix) in enumerate(runs):
                 # A fresh key prefix per row: no load or replica entry of an earlier row is seen.
                 state = {"redis_url": redis.url, "prefix": f"bench{i}"} if prefix else None
+                if state and args.load_interval is not None:
+                    state["load_interval"] = args.load_interval
                 rows.append(run_replicas(workdir, name, args.policy, n, sims, trace, args.warmup, balancer, state))
             print_rows(f"heterogeneous fleet (speeds {'/'.join(f'{s:g}' for s in speeds)}), {args.load:.0%} load: {trace.rate:.1f} req/s, "
                        f"{len(trace.items)} requests, mean prompt {trace.mean_prompt:.0f} / output {trace.mean_output:.0f} tokens; seconds", rows)
