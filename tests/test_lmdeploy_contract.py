@@ -15,10 +15,7 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import subprocess
-import sys
-from functools import lru_cache
 
 import httpx
 import pytest
@@ -26,24 +23,9 @@ import pytest
 from gateway.config import parse_config
 from gateway.filters.auth import hash_key, new_key
 from gateway.launcher.spawn import lmdeploy_args, plan_group
-from support import ROOT, GatewayServer, Sim
+from support import GatewayServer, Sim, lmdeploy_python
 
 pytestmark = pytest.mark.e2e
-
-
-@lru_cache(maxsize=1)
-def lmdeploy_python() -> str | None:
-    candidates = [os.environ.get("LMDEPLOY_GATEWAY_TEST_LMDEPLOY_PYTHON"), str(ROOT / ".venv-lmdeploy" / "bin" / "python"), sys.executable]
-    for python in candidates:
-        if not python or not os.path.exists(python):
-            continue
-        try:
-            probe = subprocess.run([python, "-c", "import lmdeploy.cli.serve, lmdeploy.serve.openai.protocol"], capture_output=True, timeout=300)
-        except (OSError, subprocess.TimeoutExpired):
-            continue
-        if probe.returncode == 0:
-            return python
-    return None
 
 
 def run_in_lmdeploy(script: str, payload: object) -> object:
