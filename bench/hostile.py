@@ -182,7 +182,7 @@ def main() -> None:
     attacks = {
         f"headers ({lines} lines, {len(head) / MIB:.1f} MB)": head,
         "body-dup (32 MB, 1.1M small objects)": body_request(1_100_000, "hi"),
-        "body-cap (32 MB, 0.4M objects)": body_request(400_000, "hello there, " * 6),
+        "body-cap (32 MB, 80k objects)": body_request(80_000, "hello there, " * 30),
     }
     sides: list[tuple[str, Path]] = []
     try:

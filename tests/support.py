@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -161,3 +165,20 @@ def gateway_with_sims(keys: TestKeys, n: int = 1, model: str = "test-model", sim
     finally:
         for s in sims:
             s.stop()
+
+
+@functools.lru_cache(maxsize=1)
+def lmdeploy_python() -> str | None:
+    """An interpreter that imports lmdeploy (its CLI and request models), or None:
+    $LMDEPLOY_GATEWAY_TEST_LMDEPLOY_PYTHON, else the checkout's git-ignored .venv-lmdeploy/, else this one."""
+    candidates = [os.environ.get("LMDEPLOY_GATEWAY_TEST_LMDEPLOY_PYTHON"), str(ROOT / ".venv-lmdeploy" / "bin" / "python"), sys.executable]
+    for python in candidates:
+        if not python or not os.path.exists(python):
+            continue
+        try:
+            probe = subprocess.run([python, "-c", "import lmdeploy.cli.serve, lmdeploy.serve.openai.protocol"], capture_output=True, timeout=300)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if probe.returncode == 0:
+            return python
+    return None

@@ -24,7 +24,7 @@ from gateway.launcher import Launcher, LaunchError
 from gateway.launcher.guard import group_members
 from gateway.launcher.spawn import SHIM, launch_argv, plan_group, python_of
 from gateway.routing.pool import BackendPool
-from support import ROOT, alive
+from support import ROOT, alive, lmdeploy_python
 
 pytestmark = pytest.mark.e2e
 
@@ -180,20 +180,10 @@ run()
 """
 
 
-def lmdeploy_python() -> str | None:
-    """An interpreter that imports lmdeploy's CLI: $LMDEPLOY_GATEWAY_TEST_LMDEPLOY_PYTHON, or ours."""
-    python = os.environ.get("LMDEPLOY_GATEWAY_TEST_LMDEPLOY_PYTHON") or sys.executable
-    try:
-        ok = subprocess.run([python, "-c", "import lmdeploy.cli"], capture_output=True, timeout=300).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        ok = False
-    return python if ok else None
-
-
 def test_lmdeploys_own_parser_reads_the_key_the_shim_hands_it(tmp_path):
     python = lmdeploy_python()
     if python is None:
-        pytest.skip("lmdeploy is not importable (set LMDEPLOY_GATEWAY_TEST_LMDEPLOY_PYTHON to an interpreter that has it)")
+        pytest.skip("lmdeploy is not importable (no $LMDEPLOY_GATEWAY_TEST_LMDEPLOY_PYTHON, no .venv-lmdeploy/, not in this venv)")
     model = tmp_path / "model"
     model.mkdir()  # a local path: lmdeploy's entry point would try to download anything else
     probe = tmp_path / "probe.py"

@@ -63,6 +63,26 @@ def test_create_writes_yaml_that_loads_back_with_every_field(tmp_path, capsys):
     assert rc == 1 and "already exists" in err
 
 
+def test_routes_and_priority_are_set_validated_and_reset(tmp_path, capsys):
+    f = tmp_path / "keys.yaml"
+    rc, out, err = _run(capsys, "keys", "create", "--name", "rl", "--file", str(f), "--routes", "/v1/chat/completions,/generate", "--priority", "batch")
+    assert rc == 0, err
+    (key,) = load_config_keys(f)
+    assert key["routes"] == ["/v1/chat/completions", "/generate"] and key["priority"] == 0
+    rc, out, err = _run(capsys, "keys", "create", "--name", "admin-route", "--file", str(f), "--routes", "/terminate")
+    assert rc == 2 and "'/terminate' is not a forwarded route" in err and "sk-" not in out
+    rc, out, err = _run(capsys, "keys", "create", "--name", "urgent", "--file", str(f), "--priority", "urgent")
+    assert rc == 2 and "not a priority class" in err
+    rc, out, err = _run(capsys, "keys", "update", "rl", "--file", str(f), "--routes", "default", "--priority", "50")
+    assert rc == 0, err
+    (key,) = load_config_keys(f)
+    assert "routes" not in key and key["priority"] == 50
+
+
+def load_config_keys(path: Path) -> list[dict]:
+    return yaml.safe_load(path.read_text())["keys"]
+
+
 def test_list_show_update_revoke_on_a_keys_file(tmp_path, capsys):
     f = tmp_path / "keys.yaml"
     _run(capsys, "keys", "create", "--name", "svc", "--file", str(f), "--rpm", "5")

@@ -70,3 +70,53 @@ def test_in_flight_per_backend_is_summed_over_replicas_and_a_dead_replicas_count
         finally:
             a.stop()
             b.stop()
+
+
+def test_load_exchange_sums_the_other_replicas_counts_and_a_closing_replica_stops_publishing(redis_server):
+    """``exchange_load`` (what the cluster runs every ``state.load_interval``) without the heartbeat's help."""
+    import asyncio
+
+    from gateway.config import parse_config
+    from gateway.state.redis import RedisStore
+
+    cfg = parse_config({"auth": {"disabled": True}, "backends": [{"url": "http://127.0.0.1:9"}],
+                        "state": {"redis_url": redis_server.url, "prefix": "t" + secrets.token_hex(4), "load_interval": 0.05}})
+    assert cfg.state.load_interval == 0.05
+
+    async def run() -> None:
+        a, b = RedisStore(cfg), RedisStore(cfg)
+        seen: dict[str, dict[str, int]] = {}
+        try:
+            for name, s in (("a", a), ("b", b)):
+                await s._heartbeat_once()  # registers the replica (no local_load yet: nothing published)
+                s.on_load = lambda totals, name=name: seen.__setitem__(name, dict(totals))
+            a.local_load = lambda: {"sim-0": 3}
+            b.local_load = lambda: {"sim-0": 2, "sim-1": 1}
+            await a.exchange_load()
+            await b.exchange_load()
+            await a.exchange_load()
+            assert seen["a"] == {"sim-0": 2, "sim-1": 1}  # only the other's, never its own
+            assert seen["b"] == {"sim-0": 3}
+            assert b.remote_in_flight("sim-0") == 3 and b.remote_in_flight("sim-1") == 0
+            a.local_load = lambda: {}
+            await a.exchange_load()
+            await b.exchange_load()
+            assert seen["b"] == {}  # a's finished requests are gone at once, not after the lease
+            a._closing = True
+            a.local_load = lambda: {"sim-0": 9}
+            await a.exchange_load()  # a closing replica publishes nothing more
+            await b.exchange_load()
+            assert seen["b"] == {}
+        finally:
+            await a.r.aclose()
+            await b.r.aclose()
+
+    asyncio.run(run())
+
+
+def test_load_interval_is_bounded():
+    from gateway.config import ConfigError, parse_config
+
+    with pytest.raises(ConfigError, match="load_interval"):
+        parse_config({"auth": {"disabled": True}, "backends": [{"url": "http://127.0.0.1:9"}],
+                      "state": {"redis_url": "redis://127.0.0.1:6379/0", "load_interval": 0.001}})

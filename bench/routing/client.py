@@ -79,15 +79,21 @@ async def _one(session: aiohttp.ClientSession, url: str, index: int, item, start
     )
 
 
-async def replay(url: str, trace: Trace, timeout: float, secrets: dict[str, str] | None = None) -> tuple[list[Result], float]:
-    """(results, wall seconds from the first send to the last answer)."""
+async def replay(url: str | list[str], trace: Trace, timeout: float, secrets: dict[str, str] | None = None) -> tuple[list[Result], float]:
+    """(results, wall seconds from the first send to the last answer).
+
+    ``url``: one gateway, or several replicas of one, taken in turn by request index (what a
+    round-robin load balancer in front of them does).
+    """
+    urls = [url] if isinstance(url, str) else list(url)
     out: list[Result] = []
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     client_timeout = aiohttp.ClientTimeout(total=timeout)
     async with aiohttp.ClientSession(connector=connector, timeout=client_timeout) as session:
         loop = asyncio.get_running_loop()
         start = loop.time() + 0.2
-        await asyncio.gather(*(_one(session, url + "/v1/chat/completions", i, it, start, out, secrets or {}) for i, it in enumerate(trace.items)))
+        await asyncio.gather(*(_one(session, urls[i % len(urls)] + "/v1/chat/completions", i, it, start, out, secrets or {})
+                               for i, it in enumerate(trace.items)))
         out.sort(key=lambda r: r.index)
         return out, loop.time() - start
 

@@ -8,6 +8,8 @@ that nothing of it is left. Every wait has a deadline.
 from __future__ import annotations
 
 import hashlib
+import shutil
+import socket
 import sys
 from pathlib import Path
 
@@ -40,8 +42,10 @@ class SimProc(SimProcess):
 
 
 class GatewayProc(_Proc):
-    def __init__(self, workdir: Path, policy: str, sims: list[SimProc], balancer: dict | None = None, keys: dict[str, tuple[str, str]] | None = None):
-        """``keys``: name -> (secret, priority class); without, authentication is off."""
+    def __init__(self, workdir: Path, policy: str, sims: list[SimProc], balancer: dict | None = None, keys: dict[str, tuple[str, str]] | None = None,
+                 state: dict | None = None):
+        """``keys``: name -> (secret, priority class); without, authentication is off. ``state``: the
+        ``state:`` section (``{"redis_url": ...}`` for replicas sharing load through Redis)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         auth: dict = {"disabled": True}
@@ -54,6 +58,8 @@ class GatewayProc(_Proc):
             "balancer": {"policy": policy, **(balancer or {})},
             "server": {"log_level": "warning"},
         }
+        if state:
+            config["state"] = state
         path = workdir / f"gateway-{policy}-{self.port}.yaml"
         path.write_text(yaml.safe_dump(config))
         self.state_path = path.with_suffix(".state.json")
@@ -79,3 +85,28 @@ class SmgProc(_Proc):
                 "--log-level", "error", "--worker-urls", *[s.url for s in sims]]
         super().__init__(argv, f"smg ({policy})")
         self._wait(lambda: any(m.get("id") == model for m in httpx.get(self.url + "/v1/models", timeout=2).json().get("data", [])), 60)
+
+
+class RedisProc(_Proc):
+    """A redis-server on a free loopback port for the replicas scenario: no persistence, no config file."""
+
+    def __init__(self, workdir: Path):
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise FileNotFoundError("redis-server is not installed: apt-get install -y redis-server")
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        data = workdir / f"redis-{self.port}"
+        data.mkdir()
+        argv = [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                "--dir", str(data), "--protected-mode", "yes", "--loglevel", "warning"]
+        super().__init__(argv, f"redis-server :{self.port}")
+        self._wait(self.ping, 10)
+
+    def ping(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False

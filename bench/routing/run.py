@@ -61,6 +61,11 @@ def start_router(workdir: Path, spec: str, sims: list[SimProc], balancer: dict, 
         if keys:
             raise ValueError("the mixed-priority run needs per-key priorities, which smg launch has no flag for")
         return SmgProc(workdir, knobs, sims, MODEL)
+    return GatewayProc(workdir, name, sims, balancer_config(knobs, balancer), keys)
+
+
+def balancer_config(knobs: str, balancer: dict) -> dict:
+    """The ``balancer:`` section for ``field=value+queue.field=value...`` on top of ``balancer``."""
     cfg = {**balancer, "queue": dict(balancer.get("queue", {}))}
     for kv in filter(None, knobs.split("+")):
         k, _, v = kv.partition("=")
@@ -70,7 +75,7 @@ def start_router(workdir: Path, spec: str, sims: list[SimProc], balancer: dict, 
             cfg[k] = _value(v)
     if not cfg["queue"]:
         del cfg["queue"]
-    return GatewayProc(workdir, name, sims, cfg, keys)
+    return cfg
 
 
 def _wait_idle(sims: list[SimProc], timeout: float = 60.0) -> None:

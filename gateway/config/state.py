@@ -18,6 +18,7 @@ class StateConfig:
     prefix: str = "gw"  # every Redis key starts with "<prefix>:"
     timeout: float = 0.5  # seconds, every Redis call; then the local fallback answers
     lease_ttl: float = 30.0  # a concurrency or load lease of a dead replica expires after this
+    load_interval: float = 0.05  # seconds between exchanges of in-flight counts per backend with the other replicas
     key_refresh: float = 30.0  # full reload of keys from the store, besides pub/sub invalidation
     usage_retention_days: int = 90
     default_max_tokens: int = 1024  # reserved for tpm when a request sets no max_tokens
@@ -44,6 +45,7 @@ def read_state(s: Section) -> StateConfig:
         prefix=prefix or d.prefix,
         timeout=s.number("timeout", d.timeout, min=0.01, max=10),
         lease_ttl=s.number("lease_ttl", d.lease_ttl, min=3, max=3600),
+        load_interval=s.number("load_interval", d.load_interval, min=0.01, max=10),
         key_refresh=s.number("key_refresh", d.key_refresh, min=1, max=3600),
         usage_retention_days=s.int("usage_retention_days", d.usage_retention_days, min=1, max=3650),
         default_max_tokens=s.int("default_max_tokens", d.default_max_tokens, min=1, max=10_000_000),

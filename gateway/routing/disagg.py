@@ -35,11 +35,11 @@ from .. import metrics
 from ..config.disagg import MIGRATION_PROTOCOL_VALUE, ModelServing
 from ..errors import Refusal, model_not_found, sse_error_event
 from ..filters import RequestContext
-from ..upstream import UpstreamFailure, UpstreamResponse, UpstreamTimeout
+from ..upstream import UpstreamFailure, UpstreamInvalid, UpstreamResponse, UpstreamTimeout
 from .pd_policy import PDPicker
 from .pool import Backend, BackendPool
 from .policies import Outcome
-from .router import _read_sse_usage, _read_usage, backend_error
+from .router import TIMEOUTS, UPSTREAM_FAILED, _read_sse_usage, _read_usage, backend_error, open_upstream, refuse_invalid
 
 log = logging.getLogger("gateway.disagg")
 
@@ -56,17 +56,11 @@ SUCCESS = 1  # DistServeConnectionStatus.SUCCESS as lmdeploy dumps it
 SERVED_KINDS = ("chat", "completions")  # what lmdeploy's proxy serves in DistServe mode
 
 NO_INSTANCE = Refusal(503, "No healthy prefill or decode instance is available for this model; try again shortly.", "no_pd_instance", code="service_unavailable")
-UPSTREAM_FAILED = Refusal(502, "The backend could not be reached.", "upstream_unreachable", code="bad_gateway")
 PREFILL_INVALID = Refusal(502, "The prefill instance sent an answer that could not be used.", "prefill_invalid", code="bad_gateway")
 DECODE_FAILED = Refusal(502, "The decode instance could not take over the request.", "decode_failed", code="bad_gateway")
 CONNECT_FAILED = Refusal(502, "The prefill and decode instances could not be connected.", "pd_connect_failed", code="bad_gateway")
 N_REFUSED = Refusal(400, "n > 1 is not supported with the DistServe serving strategy.", "n_not_supported", param="n", code="invalid_request")
 PROMPTS_REFUSED = Refusal(400, "Only one prompt per request is supported with the DistServe serving strategy.", "prompts_not_supported", param="prompt", code="invalid_request")
-TIMEOUTS = {
-    "connect": Refusal(504, "Timed out connecting to the backend.", "upstream_connect_timeout", code="gateway_timeout"),
-    "first_byte": Refusal(504, "The backend did not start answering in time.", "upstream_first_byte_timeout", code="gateway_timeout"),
-    "idle": Refusal(504, "The backend stopped answering mid-response.", "upstream_idle_timeout", code="gateway_timeout"),
-}
 
 
 def route_refused(kind: str) -> Refusal:
@@ -395,8 +389,10 @@ class PDDispatcher:
         p.in_flight += 1
         seconds = None
         try:
+            response = await open_upstream(self.upstream, self.pool, p, path, payload, headers, reply, last)
+            if not isinstance(response, UpstreamResponse):
+                return response
             try:
-                response = await self.upstream.open(p.url + path, payload, headers + p.auth_headers())
                 try:
                     data = await self.upstream.read_all(response)
                 finally:
@@ -405,12 +401,11 @@ class PDDispatcher:
                 self.pool.report_failure(p)
                 await reply(TIMEOUTS[exc.phase])
                 return TIMEOUTS[exc.phase].status
+            except UpstreamInvalid as exc:
+                return await refuse_invalid(self.pool, p, exc, reply)
             except UpstreamFailure as exc:
                 metrics.UPSTREAM_ERRORS.labels(backend=p.id, kind=exc.kind).inc()
-                if exc.kind == "connect_refused":
-                    self.pool.report_unreachable(p)
-                else:
-                    self.pool.report_failure(p)
+                self.pool.report_failure(p)
                 if last:
                     await reply(UPSTREAM_FAILED)
                     return UPSTREAM_FAILED.status
@@ -493,22 +488,9 @@ class PDDispatcher:
         d.in_flight += 1
         outcome = Outcome(status=0, ok=False)
         try:
-            try:
-                response = await self.upstream.open(d.url + path, payload, headers + d.auth_headers())
-            except UpstreamTimeout as exc:
-                self.pool.report_failure(d)
-                await reply(TIMEOUTS[exc.phase])
-                return TIMEOUTS[exc.phase].status
-            except UpstreamFailure as exc:
-                metrics.UPSTREAM_ERRORS.labels(backend=d.id, kind=exc.kind).inc()
-                if exc.kind == "connect_refused":
-                    self.pool.report_unreachable(d)
-                else:
-                    self.pool.report_failure(d)
-                if last:
-                    await reply(UPSTREAM_FAILED)
-                    return UPSTREAM_FAILED.status
-                return None
+            response = await open_upstream(self.upstream, self.pool, d, path, payload, headers, reply, last)
+            if not isinstance(response, UpstreamResponse):
+                return response
             outcome.status = response.status
             try:
                 if response.status >= 500:

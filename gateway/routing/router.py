@@ -57,6 +57,53 @@ TIMEOUTS = {
 }
 
 
+async def refuse_invalid(pool: BackendPool, b: Backend, exc: UpstreamInvalid, reply: Callable[[Refusal], Awaitable[None]]) -> int:
+    """A backend that broke the protocol (framing, size, status) is answered for with our own 502."""
+    pool.report_failure(b)
+    metrics.UPSTREAM_ERRORS.labels(backend=b.id, kind=f"invalid_{exc.reason}").inc()
+    log.warning("backend %s sent an invalid response (%s)", b.id, exc.reason)
+    refusal = TOO_LARGE if exc.reason == "body_too_large" else INVALID_RESPONSE
+    await reply(refusal)
+    return refusal.status
+
+
+async def open_upstream(
+    upstream: Upstream,
+    pool: BackendPool,
+    b: Backend,
+    path: str,
+    payload: bytes,
+    headers: list[tuple[bytes, bytes]],
+    reply: Callable[[Refusal], Awaitable[None]],
+    last: bool,
+) -> UpstreamResponse | int | None:
+    """Open one request to ``b``; failures are told to the pool and the metrics the same way for
+    every caller (the router, both phases of prefill/decode). Returns the response, the status the
+    client was already answered with (a timeout, an invalid answer, the last attempt's failure), or
+    None: nothing reached the client, try another backend."""
+    try:
+        return await upstream.open(b.url + path, payload, headers + b.auth_headers())
+    except UpstreamTimeout as exc:
+        pool.report_failure(b)
+        metrics.UPSTREAM_ERRORS.labels(backend=b.id, kind=f"{exc.phase}_timeout").inc()
+        await reply(TIMEOUTS[exc.phase])
+        return TIMEOUTS[exc.phase].status
+    except UpstreamInvalid as exc:
+        # Not retried: a misbehaving backend is answered for, not hidden behind another try.
+        return await refuse_invalid(pool, b, exc, reply)
+    except UpstreamFailure as exc:
+        metrics.UPSTREAM_ERRORS.labels(backend=b.id, kind=exc.kind).inc()
+        if exc.kind == "connect_refused":
+            pool.report_unreachable(b)
+        else:
+            pool.report_failure(b)
+        log.warning("backend %s failed before answering (%s)", b.id, exc.kind)
+        if last:
+            await reply(UPSTREAM_FAILED)
+            return UPSTREAM_FAILED.status
+        return None
+
+
 class Router:
     def __init__(self, pool: BackendPool, balancer: Balancer, upstream: Upstream, retries: int = 1):
         self.pool = pool
@@ -138,29 +185,10 @@ class Router:
         start = time.monotonic()
         outcome = Outcome(status=0, ok=False)
         try:
-            try:
-                with tracing.upstream_call(ctx, b.id, headers) as traced:
-                    response = await self.upstream.open(b.url + path, payload, traced + b.auth_headers())
-            except UpstreamTimeout as exc:
-                self.pool.report_failure(b)
-                metrics.UPSTREAM_ERRORS.labels(backend=b.id, kind=f"{exc.phase}_timeout").inc()
-                await reply(TIMEOUTS[exc.phase])
-                return TIMEOUTS[exc.phase].status
-            except UpstreamInvalid as exc:
-                # Not retried: a misbehaving backend is answered for, not hidden behind another try.
-                return await self._refuse_invalid(b, exc, reply)
-            except UpstreamFailure as exc:
-                kind = exc.kind
-                metrics.UPSTREAM_ERRORS.labels(backend=b.id, kind=kind).inc()
-                if kind == "connect_refused":
-                    self.pool.report_unreachable(b)
-                else:
-                    self.pool.report_failure(b)
-                log.warning("backend %s failed before answering (%s)", b.id, kind)
-                if last:
-                    await reply(UPSTREAM_FAILED)
-                    return UPSTREAM_FAILED.status
-                return None
+            with tracing.upstream_call(ctx, b.id, headers) as traced:
+                response = await open_upstream(self.upstream, self.pool, b, path, payload, traced, reply, last)
+            if not isinstance(response, UpstreamResponse):
+                return response  # the status the client got, or None: try another backend
             try:
                 outcome.status = response.status
                 if response.status >= 500:
@@ -204,7 +232,7 @@ class Router:
             await reply(TIMEOUTS[exc.phase])
             return TIMEOUTS[exc.phase].status
         except UpstreamInvalid as exc:
-            return await self._refuse_invalid(b, exc, reply)
+            return await refuse_invalid(self.pool, b, exc, reply)
         except UpstreamFailure:
             self.pool.report_failure(b)
             await reply(UPSTREAM_FAILED)
@@ -220,14 +248,6 @@ class Router:
         await send({"type": "http.response.start", "status": response.status, "headers": hdrs})
         await send({"type": "http.response.body", "body": body, "more_body": False})
         return response.status
-
-    async def _refuse_invalid(self, b: Backend, exc: UpstreamInvalid, reply: Callable[[Refusal], Awaitable[None]]) -> int:
-        self.pool.report_failure(b)
-        metrics.UPSTREAM_ERRORS.labels(backend=b.id, kind=f"invalid_{exc.reason}").inc()
-        log.warning("backend %s sent an invalid response (%s)", b.id, exc.reason)
-        refusal = TOO_LARGE if exc.reason == "body_too_large" else INVALID_RESPONSE
-        await reply(refusal)
-        return refusal.status
 
     async def _replace_error(self, b: Backend, response: UpstreamResponse, reply: Callable[[Refusal], Awaitable[None]]) -> None:
         """A backend 5xx: log (the start of) its body, answer with our own error of the same status."""

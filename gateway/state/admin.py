@@ -194,6 +194,16 @@ def _fields_from(args: argparse.Namespace) -> dict[str, Any]:
             out[field] = v if v > 0 else None  # 0 removes the limit
     if getattr(args, "budget_period", None):
         out["budget_period"] = args.budget_period
+    if getattr(args, "routes", None) is not None:
+        routes = [r.strip() for r in args.routes.split(",") if r.strip()]
+        out["routes"] = None if routes in ([], ["default"]) else tuple(routes)  # checked by _validated
+    if getattr(args, "priority", None) is not None:
+        from ..config.balancer import parse_priority
+
+        priority = parse_priority(int(args.priority) if args.priority.isdigit() else args.priority)
+        if isinstance(priority, str):
+            raise CliError(f"--priority: {priority}", EXIT_USAGE)
+        out["priority"] = priority
     if getattr(args, "admin", None) is not None:
         out["admin"] = args.admin
     if getattr(args, "expires", None):
@@ -316,7 +326,7 @@ async def _update(args: argparse.Namespace) -> int:
     if args.enable:
         fields["disabled"] = False
     if not fields:
-        raise CliError("nothing to change; give at least one of --models --rpm --tpm --concurrency --budget --admin/--no-admin --expires --rename --enable", EXIT_USAGE)
+        raise CliError("nothing to change; give at least one of --models --rpm --tpm --concurrency --budget --admin/--no-admin --expires --routes --priority --rename --enable", EXIT_USAGE)
     return await _change(args, **fields)
 
 
@@ -390,6 +400,9 @@ def _limit_flags(p: argparse.ArgumentParser, *, update: bool) -> None:
     p.add_argument("--budget-period", choices=BUDGET_PERIODS, default=None)
     p.add_argument("--admin", action=argparse.BooleanOptionalAction, default=None, help="may read /metrics")
     p.add_argument("--expires", default=None, help="30d, 12h, an ISO date or unix seconds" + (" ('never' clears it)" if update else ""))
+    p.add_argument("--routes", default=None, help="comma-separated forwarded routes this key may use, e.g. "
+                   "/v1/chat/completions,/generate ('default': the OpenAI and Anthropic ones)")
+    p.add_argument("--priority", default=None, help="the gateway queue's class: interactive, batch or 0-100")
 
 
 def add_commands(keys: Any, sub: Any) -> None:

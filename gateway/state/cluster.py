@@ -1,8 +1,8 @@
 """What replicas and workers share about the backends, through the Redis store.
 
-- Load: each replica's heartbeat writes its in-flight count per backend under a key that
-  expires with ``state.lease_ttl`` (a dead replica's counts vanish on their own) and reads the
-  others'; their sum lands in ``Backend.remote_in_flight`` for the balancer.
+- Load: every ``state.load_interval`` (and with each heartbeat) a replica writes its in-flight
+  count per backend under a key that expires with ``state.lease_ttl`` (a dead replica's counts
+  vanish on their own) and reads the others'; their sum lands in ``Backend.remote_in_flight``.
 - Ejection: when this replica ejects a failing backend it publishes the backend id and how long;
   the others eject it for as long (an ejection they learn is not published again).
 - Directory: the one process that launches api_servers (worker 0 of ``--workers N``) publishes
@@ -39,6 +39,7 @@ class Cluster:
         self._seen_ejections: dict[str, int] = {}
         self._learned: set[str] = set()  # backend ids added from the directory
         self._task: asyncio.Task[None] | None = None
+        self._load_task: asyncio.Task[None] | None = None
         self._sends: set[asyncio.Task[Any]] = set()
 
     def start(self) -> None:
@@ -46,18 +47,33 @@ class Cluster:
         self.store.on_load = self._apply_load
         self.store.handlers[self.events] = self._on_event
         self.pool.on_change(self._on_change)
+        loop = asyncio.get_running_loop()
+        self._load_task = loop.create_task(self._load_loop())
         if self.publish_backends or self.follow_backends:
-            self._task = asyncio.get_running_loop().create_task(self._directory_loop())
+            self._task = loop.create_task(self._directory_loop())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except BaseException:
-                pass
+        for task in (self._task, self._load_task):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except BaseException:
+                    pass
 
     # -- load ------------------------------------------------------------------------------------
+    async def _load_loop(self) -> None:
+        # Every state.load_interval (0.05 s), not only with the 1-s heartbeat: measured with 4 replicas
+        # round-robin on the routing bench, 1-s-old counts sent bursts to the same backend.
+        while True:
+            await asyncio.sleep(self.store.cfg.load_interval)
+            try:
+                await self.store.exchange_load()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.debug("load exchange: %s", exc.__class__.__name__)
+
     def _apply_load(self, totals: dict[str, int]) -> None:
         for b in self.pool:
             b.remote_in_flight = totals.get(b.id, 0)

@@ -574,6 +574,32 @@ class RedisStore(StateStore):
             except Exception:
                 pass
 
+    async def exchange_load(self) -> None:
+        """Publish this replica's in-flight counts and read the others' (more often than the heartbeat:
+        a balancer that sees the others' requests a second late sends them all to the same backend)."""
+        if self.local_load is None or self._closing or self._down():
+            return
+        load_key = f"{self._p}:load:{self.replica}"
+        local = self.local_load()
+        pipe = self.r.pipeline(transaction=False)
+        pipe.delete(load_key)
+        if local:
+            pipe.hset(load_key, mapping=local)
+            pipe.pexpire(load_key, int(self.cfg.lease_ttl * 1000))
+        pipe.zrange(f"{self._p}:replicas", 0, -1)
+        res = await self._call("load", pipe.execute())
+        others = [m.decode() if isinstance(m, bytes) else m for m in res[-1]]
+        others = [m for m in others if m != self.replica]
+        total: dict[str, int] = {}
+        if others:
+            for mapping in await self._call("load", _hgetall_many(self.r, [f"{self._p}:load:{m}" for m in others])):
+                for b, n in mapping.items():
+                    b = b.decode() if isinstance(b, bytes) else b
+                    total[b] = total.get(b, 0) + int(n)
+        self.load = total
+        if self.on_load is not None:
+            self.on_load(total)
+
     def remote_in_flight(self, backend_id: str) -> int:
         return self.load.get(backend_id, 0)
 

@@ -1,0 +1,133 @@
+"""Replicas scenario: N gateway replicas sharing one fleet through one Redis, against one replica.
+
+    python -m bench.routing.replicas --quick   # heterogeneous fleet, 80% load, 30 s trace: about 4 min
+    python -m bench.routing.replicas           # 60 s trace
+
+One run, one seeded trace (the routing bench's workload, ``trace.py``), the heterogeneous fleet
+(speeds 2/1/1/0.5) kept for every row:
+
+- ``1 replica``: one gateway, in-memory state (what a single process does today; the baseline);
+- ``1 replica + redis``: the same with ``state: {redis_url: ...}`` (the cost of the store alone);
+- ``N replicas + redis``: N gateway processes with the same config and one Redis; request i goes
+  to replica ``i % N`` (a round-robin load balancer in front of them). Each replica's balancer
+  sees its own requests in full and the others' only as in-flight counts per backend, published
+  through Redis (``Backend.remote_in_flight``); prefix affinity and learnt speeds stay per replica.
+
+The bench starts its own redis-server on a free loopback port and stops it at the end.
+Figures: as in ``run.py`` (seconds; the first ``--warmup`` share of requests left out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: python bench/routing/replicas.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    __package__ = "bench.routing"
+
+from .client import replay, summarize  # noqa: E402
+from .fleet import GatewayProc, RedisProc, SimProc  # noqa: E402
+from .run import COLUMNS, FLEETS, MODEL, _wait_idle, balancer_config  # noqa: E402
+from .trace import SimParams, fleet_capacity, make_trace  # noqa: E402
+
+POLICY = "min_expected_latency:slots=32"
+
+
+def run_replicas(workdir: Path, name: str, spec: str, n: int, sims: list[SimProc], trace, warmup: float, balancer: dict,
+                 state: dict | None) -> dict:
+    _wait_idle(sims)
+    for s in sims:
+        s.control(clear_cache=True)
+    before = [s.stats() for s in sims]
+    policy, _, knobs = spec.partition(":")
+    cfg = balancer_config(knobs, balancer)
+    gateways: list[GatewayProc] = []
+    try:
+        for _ in range(n):
+            gateways.append(GatewayProc(workdir, policy, sims, cfg, state=state))
+        results, wall = asyncio.run(replay([g.url for g in gateways], trace, timeout=trace.duration * 4 + 60))
+    finally:
+        for g in gateways:
+            g.stop()
+    _wait_idle(sims)
+    after = [s.stats() for s in sims]
+    row = summarize(results, wall, warmup=int(len(results) * warmup))
+    prompt = sum(a["prompt_tokens"] - b["prompt_tokens"] for a, b in zip(after, before))
+    cached = sum(a["cached_tokens"] - b["cached_tokens"] for a, b in zip(after, before))
+    row["hit_rate"] = cached / prompt if prompt else 0.0
+    submitted = [a["submitted"] - b["submitted"] for a, b in zip(after, before)]
+    total = sum(submitted) or 1
+    row["share"] = "/".join(f"{100 * x / total:.0f}" for x in submitted)
+    row["policy"] = name
+    return row
+
+
+def print_rows(title: str, rows: list[dict]) -> None:
+    print(f"\n{title}")
+    print(f"{'gateways':<36} " + " ".join(f"{h:>{len(fmt.format(0))}}" for k, h, fmt in COLUMNS[1:-1]) + "   share % per backend")
+    base = rows[0]
+    for r in rows:
+        line = " ".join(fmt.format(r[k]) for k, _, fmt in COLUMNS)
+        if r is not base:
+            line += (f"   ttft p99 {100 * (r['ttft_p99'] / base['ttft_p99'] - 1):+.0f}%, mean {100 * (r['ttft_mean'] / base['ttft_mean'] - 1):+.0f}%"
+                     f" vs {base['policy']}")
+        print(line, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.routing.replicas", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="30 s trace")
+    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--load", type=float, default=0.8, help="fraction of the fleet's capacity")
+    p.add_argument("--policy", default=POLICY, help="balancer policy with knobs, as in bench.routing --policies")
+    p.add_argument("--duration", type=float, default=None, help="trace seconds (default 60; --quick 30)")
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--shared", type=float, default=0.5, help="share of requests that open with a shared document")
+    p.add_argument("--warmup", type=float, default=0.1, help="share of the first requests left out of the figures")
+    p.add_argument("--load-interval", type=float, default=None, help="state.load_interval of the replicas (default: the gateway's, 0.05 s)")
+    p.add_argument("--no-single-redis", action="store_true", help="leave out the one-replica-with-Redis row")
+    args = p.parse_args(argv)
+    if not 1 <= args.replicas <= 16:
+        p.error("--replicas must be 1-16")
+    duration = args.duration or (30.0 if args.quick else 60.0)
+    speeds = FLEETS["heterogeneous"]
+    params = SimParams()
+    balancer = {"scrape_interval": 2.0}
+    print(f"replicas bench: seed {args.seed}, {duration:g} s trace, policy {args.policy}, {args.replicas} replicas round-robin through one Redis")
+    with tempfile.TemporaryDirectory(prefix="bench-replicas-") as tmp:
+        workdir = Path(tmp)
+        sims: list[SimProc] = []
+        redis = None
+        try:
+            redis = RedisProc(workdir)
+            for sp in speeds:
+                sims.append(SimProc(MODEL, sp, params.argv(sp)))
+            capacity = fleet_capacity(params, speeds, args.seed, MODEL, args.shared)
+            trace = make_trace(args.seed, rate=args.load * capacity, duration=duration, model=MODEL, shared_share=args.shared)
+            runs = [("1 replica", 1, None)]
+            if not args.no_single_redis:
+                runs.append(("1 replica + redis", 1, "single"))
+            runs.append((f"{args.replicas} replicas + redis", args.replicas, "shared"))
+            rows = []
+            for i, (name, n, prefix) in enumerate(runs):
+                # A fresh key prefix per row: no load or replica entry of an earlier row is seen.
+                state = {"redis_url": redis.url, "prefix": f"bench{i}"} if prefix else None
+                if state and args.load_interval is not None:
+                    state["load_interval"] = args.load_interval
+                rows.append(run_replicas(workdir, name, args.policy, n, sims, trace, args.warmup, balancer, state))
+            print_rows(f"heterogeneous fleet (speeds {'/'.join(f'{s:g}' for s in speeds)}), {args.load:.0%} load: {trace.rate:.1f} req/s, "
+                       f"{len(trace.items)} requests, mean prompt {trace.mean_prompt:.0f} / output {trace.mean_output:.0f} tokens; seconds", rows)
+        finally:
+            for s in sims:
+                s.stop()
+            if redis is not None:
+                redis.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
