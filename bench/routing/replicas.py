@@ -29,9 +29,9 @@ if __package__ in (None, ""):  # run as a script: python bench/routing/replicas.
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     __package__ = "bench.routing"
 
-from .client import replay, summarize  # noqa: E402
+from .client import replay  # noqa: E402
 from .fleet import GatewayProc, RedisProc, SimProc  # noqa: E402
-from .run import COLUMNS, FLEETS, MODEL, _wait_idle, balancer_config  # noqa: E402
+from .run import COLUMNS, FLEETS, MODEL, _wait_idle, balancer_config, fleet_row  # noqa: E402
 from .trace import SimParams, fleet_capacity, make_trace  # noqa: E402
 
 POLICY = "min_expected_latency:slots=32"
@@ -53,17 +53,7 @@ def run_replicas(workdir: Path, name: str, spec: str, n: int, sims: list[SimProc
     finally:
         for g in gateways:
             g.stop()
-    _wait_idle(sims)
-    after = [s.stats() for s in sims]
-    row = summarize(results, wall, warmup=int(len(results) * warmup))
-    prompt = sum(a["prompt_tokens"] - b["prompt_tokens"] for a, b in zip(after, before))
-    cached = sum(a["cached_tokens"] - b["cached_tokens"] for a, b in zip(after, before))
-    row["hit_rate"] = cached / prompt if prompt else 0.0
-    submitted = [a["submitted"] - b["submitted"] for a, b in zip(after, before)]
-    total = sum(submitted) or 1
-    row["share"] = "/".join(f"{100 * x / total:.0f}" for x in submitted)
-    row["policy"] = name
-    return row
+    return fleet_row(sims, before, results, wall, warmup, name)
 
 
 def print_rows(title: str, rows: list[dict]) -> None:

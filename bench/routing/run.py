@@ -78,6 +78,21 @@ def balancer_config(knobs: str, balancer: dict) -> dict:
     return cfg
 
 
+def fleet_row(sims, before: list[dict], results, wall: float, warmup: float, policy: str) -> dict:
+    """One table row: the replay's latencies plus what the sims saw (prefix-cache hits, share per backend)."""
+    _wait_idle(sims)
+    after = [s.stats() for s in sims]
+    row = summarize(results, wall, warmup=int(len(results) * warmup))
+    prompt = sum(a["prompt_tokens"] - b["prompt_tokens"] for a, b in zip(after, before))
+    cached = sum(a["cached_tokens"] - b["cached_tokens"] for a, b in zip(after, before))
+    row["hit_rate"] = cached / prompt if prompt else 0.0
+    submitted = [a["submitted"] - b["submitted"] for a, b in zip(after, before)]
+    total = sum(submitted) or 1
+    row["share"] = "/".join(f"{100 * x / total:.0f}" for x in submitted)
+    row["policy"] = policy
+    return row
+
+
 def _wait_idle(sims: list[SimProc], timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -101,16 +116,7 @@ def run_one(workdir: Path, policy: str, sims: list[SimProc], trace, warmup: floa
         gw.stop()
     if gw.state_path.exists():
         print(f"  [{policy}] balancer state: {gw.state_path.read_text()}" if verbose else "", end="")
-    _wait_idle(sims)
-    after = [s.stats() for s in sims]
-    row = summarize(results, wall, warmup=int(len(results) * warmup))
-    prompt = sum(a["prompt_tokens"] - b["prompt_tokens"] for a, b in zip(after, before))
-    cached = sum(a["cached_tokens"] - b["cached_tokens"] for a, b in zip(after, before))
-    row["hit_rate"] = cached / prompt if prompt else 0.0
-    submitted = [a["submitted"] - b["submitted"] for a, b in zip(after, before)]
-    total = sum(submitted) or 1
-    row["share"] = "/".join(f"{100 * x / total:.0f}" for x in submitted)
-    row["policy"] = policy
+    row = fleet_row(sims, before, results, wall, warmup, policy)
     if keys:
         for name in keys:
             mine = [r for r in results if r.key == name]
