@@ -345,6 +345,28 @@ class NativeUpstream(Upstream):
             pool.close()
 
 
+async def control_call(
+    client: httpx.AsyncClient,
+    method: str,
+    url: str,
+    *,
+    limit: int,
+    timeout: float,
+    headers: dict[str, str] | list[tuple[bytes, bytes]] | None = None,
+    content: bytes | None = None,
+) -> tuple[int, bytes | None]:
+    """A control-plane call (health, /metrics, /v1/models, /distserve/*) whose answer is read up to
+    ``limit`` bytes: (status, body), or (status, None) for a longer one, which is never read whole.
+    Backends are untrusted; every control-plane read goes through here."""
+    async with client.stream(method, url, headers=headers, content=content, timeout=timeout) as r:
+        body = bytearray()
+        async for chunk in r.aiter_bytes():
+            body += chunk
+            if len(body) > limit:
+                return r.status_code, None
+        return r.status_code, bytes(body)
+
+
 def make_client(timeouts: TimeoutsConfig, max_connections: int = 256, transport_name: str = "httpx-aiohttp") -> httpx.AsyncClient:
     """The control-plane httpx client (health checks, metrics scraping, model discovery)."""
     limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections, keepalive_expiry=_KEEPALIVE)

@@ -35,7 +35,7 @@ from .. import metrics
 from ..config.disagg import MIGRATION_PROTOCOL_VALUE, ModelServing
 from ..errors import Refusal, model_not_found, sse_error_event
 from ..filters import RequestContext
-from ..upstream import UpstreamFailure, UpstreamInvalid, UpstreamResponse, UpstreamTimeout
+from ..upstream import UpstreamFailure, UpstreamInvalid, UpstreamResponse, UpstreamTimeout, control_call
 from .pd_policy import PDPicker
 from .pool import Backend, BackendPool
 from .policies import Outcome
@@ -164,15 +164,16 @@ class PDConnections:
         if body is not None:
             headers["content-type"] = "application/json"
         try:
-            r = await client.request(method, b.url + path, content=None if body is None else orjson.dumps(body), headers=headers, timeout=self.timeout)
+            content = None if body is None else orjson.dumps(body)
+            status, data = await control_call(client, method, b.url + path, headers=headers, content=content, limit=MAX_CONTROL_BYTES, timeout=self.timeout)
         except Exception as exc:  # any transport failure is a failed step
             raise PDError(f"{path} on {b.id}: {exc.__class__.__name__}") from None
-        if r.status_code != 200:
-            raise PDError(f"{path} on {b.id}: HTTP {r.status_code}")
-        if len(r.content) > MAX_CONTROL_BYTES:
-            raise PDError(f"{path} on {b.id}: answer too large")
+        if status != 200:
+            raise PDError(f"{path} on {b.id}: HTTP {status}")
+        if data is None:
+            raise PDError(f"{path} on {b.id}: answer too large")  # never read whole
         try:
-            return orjson.loads(r.content) if r.content else None
+            return orjson.loads(data) if data else None
         except orjson.JSONDecodeError:
             raise PDError(f"{path} on {b.id}: answer is not JSON") from None
 

@@ -24,6 +24,7 @@ import httpx
 import orjson
 
 from ..config import HealthConfig
+from ..upstream import control_call
 from .periodic import Periodic
 
 if sys.version_info >= (3, 11):
@@ -289,13 +290,7 @@ class BackendPool:
 
     async def _get(self, url: str, headers: dict[str, str], limit: int) -> tuple[int, bytes | None]:
         """GET with the body read up to ``limit`` bytes; None for a longer one (never read whole)."""
-        async with self._client.stream("GET", url, headers=headers, timeout=self.health.timeout) as r:  # type: ignore[union-attr]
-            body = b""
-            async for chunk in r.aiter_bytes():
-                body += chunk
-                if len(body) > limit:
-                    return r.status_code, None
-            return r.status_code, body
+        return await control_call(self._client, "GET", url, headers=headers, limit=limit, timeout=self.health.timeout)  # type: ignore[arg-type]
 
     async def _fetch_models(self, b: Backend, headers: dict[str, str]) -> frozenset[str] | None:
         """The backend's model ids, bounded in bytes, count and length: they are served on /v1/models."""

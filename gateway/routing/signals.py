@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 
 import httpx
 
+from ..upstream import control_call
 from .periodic import Periodic
 
 if TYPE_CHECKING:
@@ -142,14 +143,9 @@ class MetricsScraper:
         client = self._client
         assert client is not None, "scraper has no HTTP client"
         try:
-            async with client.stream("GET", f"{b.url}/metrics", headers=b.auth_headers(), timeout=self.timeout) as r:
-                if r.status_code != 200:
-                    raise ValueError(f"status {r.status_code}")
-                body = bytearray()
-                async for chunk in r.aiter_bytes():
-                    body += chunk
-                    if len(body) > MAX_METRICS_BODY:
-                        raise ValueError("body too large")  # never read whole
+            status, body = await control_call(client, "GET", f"{b.url}/metrics", headers=b.auth_headers(), limit=MAX_METRICS_BODY, timeout=self.timeout)
+            if status != 200 or body is None:
+                raise ValueError(f"status {status}" if body is not None else "body too large")  # never read whole
             values = parse_metrics(body.decode("utf-8", "replace"))
         except (httpx.HTTPError, OSError, ValueError, asyncio.TimeoutError) as exc:
             self.failures += 1
