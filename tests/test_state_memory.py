@@ -98,3 +98,26 @@ def test_the_memory_store_counts_usage_and_flags_estimates():
         assert (row.requests, row.prompt_tokens, row.completion_tokens, row.estimated) == (2, 35, 70, 1)
 
     asyncio.run(run())
+
+
+def test_an_unlimited_key_is_estimated_only_when_the_response_reports_no_usage():
+    from types import SimpleNamespace
+
+    from gateway.state import stats
+
+    store = MemoryStore(parse_config({"auth": {"disabled": True}, "backends": [{"url": "http://127.0.0.1:1"}]}, env={}))
+    calls = []
+
+    def estimate() -> int:
+        calls.append(1)
+        return 42
+
+    def prompt_tokens(name: str) -> float:
+        return stats.USAGE_TOKENS.labels(key=name, model="m", kind="prompt")._value.get()
+
+    with_usage = store.unlimited(ApiKeyConfig(name="lazy-a", hash=KEY), "m", estimate)
+    store.settle(with_usage, SimpleNamespace(ok=True, prompt_tokens=7, completion_tokens=3))
+    assert calls == [] and prompt_tokens("lazy-a") == 7  # the backend's usage: no body walk
+    without = store.unlimited(ApiKeyConfig(name="lazy-b", hash=KEY), "m", estimate)
+    store.settle(without, SimpleNamespace(ok=True, prompt_tokens=None, completion_tokens=None))
+    assert calls == [1] and prompt_tokens("lazy-b") == 42

@@ -82,10 +82,10 @@ class RateLimit:
         key = ctx.key
         if key is None:
             return None
-        prompt = estimate_prompt_tokens(ctx.body)
-        if not key.limited:
-            return self.store.unlimited(key, ctx.model or "", prompt)
-        return await self.store.admit(key, ctx.model or "", prompt, max_tokens_of(ctx.body))
+        body = ctx.body
+        if not key.limited:  # the body is walked for an estimate only if the backend reports no usage
+            return self.store.unlimited(key, ctx.model or "", lambda: estimate_prompt_tokens(body))
+        return await self.store.admit(key, ctx.model or "", estimate_prompt_tokens(body), max_tokens_of(body))
 
     def settle(self, adm: Admission, outcome: Any) -> None:
         """Never awaits: a response is not delayed by counting it."""

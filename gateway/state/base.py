@@ -13,7 +13,7 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from ..config import ApiKeyConfig, GatewayConfig
 from ..errors import Refusal
@@ -81,8 +81,9 @@ class StateStore:
             return refusal_for(key, decision, reserve, share)
         return Admission(key, model, reserve, prompt_estimate, lease, shared, rate_headers(key, decision, share))
 
-    def unlimited(self, key: ApiKeyConfig, model: str, prompt_estimate: int) -> Admission:
-        """An admission for a key without limits: nothing to decide, only usage to count."""
+    def unlimited(self, key: ApiKeyConfig, model: str, prompt_estimate: int | Callable[[], int]) -> Admission:
+        """An admission for a key without limits: nothing to decide, only usage to count (the prompt
+        estimate may be a callable, run only when the response carries no usage)."""
         return Admission(key, model, 0, prompt_estimate, "", self.shared)
 
     async def _decide(self, key: ApiKeyConfig, reserve: int, lease: str) -> tuple[Decision, bool, int]:
@@ -98,7 +99,8 @@ class StateStore:
         completion = getattr(outcome, "completion_tokens", None) if outcome is not None else None
         estimated = ok and prompt is None
         if prompt is None:
-            prompt = adm.prompt_estimate if ok else 0
+            estimate = adm.prompt_estimate
+            prompt = (estimate() if callable(estimate) else estimate) if ok else 0
         completion = completion or 0
         used = prompt + completion
         if ok:

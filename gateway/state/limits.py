@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from typing import Callable
 from dataclasses import dataclass, field
 
 from ..config import ApiKeyConfig
@@ -43,7 +44,7 @@ class Admission:
     key: ApiKeyConfig
     model: str
     reserved: int  # tokens taken from the tpm bucket at admission
-    prompt_estimate: int
+    prompt_estimate: int | Callable[[], int]  # a callable: estimated only if the response has no usage
     lease: str  # concurrency lease id ("" when the key has no concurrency cap)
     shared: bool  # decided by the shared store (False: by this process's fallback)
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
