@@ -1,7 +1,8 @@
 """A real redis-server on a free loopback port, started and stopped by the tests.
 
 No persistence, no config file: it lives in a temporary directory and dies with its test.
-``stop()`` then ``start()`` restarts it on the same port (the outage tests use that).
+``stop()`` then ``start()`` restarts it on the same port (the outage tests use that); ``save()``
+first makes the restarted one load what the stopped one held (an outage, not a data loss).
 """
 
 from __future__ import annotations
@@ -47,6 +48,12 @@ class RedisServer:
                 return s.recv(16).startswith(b"+PONG")
         except OSError:
             return False
+
+    def save(self) -> None:
+        """Write dump.rdb into the directory; the next start() loads it."""
+        with socket.create_connection(("127.0.0.1", self.port), timeout=5) as s:
+            s.sendall(b"SAVE\r\n")
+            assert s.recv(16).startswith(b"+OK")
 
     def stop(self) -> None:
         if self.proc is None:

@@ -14,6 +14,10 @@
   limits fall back to ``LocalLimiter`` with each limit divided by the number of live replicas,
   ``gateway_state_degraded`` is 1 and a warning is logged. A heartbeat notices the recovery,
   reloads the keys and clears the flag.
+- What is spent meanwhile is not lost: every settle, whether Redis or the fallback admitted the
+  request, waits in a bounded queue (``max_pending``) and is applied when Redis is back: usage
+  counters and the key's budget both. A queue that overflows drops its oldest settles, counts
+  them (``gateway_state_settles_dropped_total``) and logs a warning.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ log = logging.getLogger("gateway.state.redis")
 T = TypeVar("T")
 
 MAX_PENDING = 100_000  # settles waiting for Redis; beyond it the oldest usage is dropped (and counted)
+DROP_WARN_EVERY = 10.0  # seconds between warnings about dropped settles (one per outage, then a reminder)
 FLUSH_EVERY = 0.005  # seconds: how long settles gather before one pipeline carries them
 DOWN_FOR = 1.0  # seconds a failure keeps requests on the local fallback before Redis is tried again
 
@@ -188,6 +193,8 @@ class RedisStore(StateStore):
         self._down_until = 0.0
         self.degraded = False
         self._pending: deque[tuple[list[str], list[Any]]] = deque()
+        self.max_pending = MAX_PENDING
+        self._dropped_warned = 0.0
         self._admits: list[tuple[list[str], list[Any], asyncio.Future[Any]]] = []
         self._inflight: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
@@ -257,6 +264,8 @@ class RedisStore(StateStore):
             await asyncio.wait_for(self.r.zrem(f"{self._p}:replicas", self.replica), self.cfg.timeout * 2)
         except Exception:
             pass
+        if self._pending:
+            log.warning("stopping with %d usage and budget settle(s) that Redis never received (it is unreachable)", len(self._pending))
         try:
             await self.r.aclose()
         except Exception:
@@ -455,7 +464,9 @@ class RedisStore(StateStore):
         if not shared and not counted:
             return
         now = time.time()
-        budget_ttl = period_seconds_left(key.budget_period, now) if key.budget_tokens and shared else -1
+        # The budget is charged whoever admitted the request: one admitted by the fallback during an
+        # outage is charged when its settle reaches Redis (a budget is never refunded, so late is exact).
+        budget_ttl = period_seconds_left(key.budget_period, now) if key.budget_tokens else -1
         keys = [self._rk(key, "t"), self._lease_key(key), self._budget_key(key), f"{self._p}:usage:{hour_of(now)}"]
         args = [
             key.rate_limit_tpm or 0 if shared else 0,
@@ -470,11 +481,22 @@ class RedisStore(StateStore):
             self.cfg.usage_retention_days * 86400,
             1 if counted else 0,
         ]
-        if len(self._pending) >= MAX_PENDING:
+        if len(self._pending) >= self.max_pending:
             self._pending.popleft()
-            stats.STATE_ERRORS.labels(op="settle_dropped").inc()
+            self._dropped(1)
         self._pending.append((keys, args))
         self._wake.set()
+
+    def _dropped(self, n: int) -> None:
+        stats.SETTLES_DROPPED.inc(n)
+        now = time.monotonic()
+        if now - self._dropped_warned >= DROP_WARN_EVERY:
+            self._dropped_warned = now
+            log.warning(
+                "Redis has been unreachable too long: %d settle(s) waiting, the most kept (state max_pending); the oldest usage "
+                "and budget charges are dropped (gateway_state_settles_dropped_total counts them)",
+                len(self._pending),
+            )
 
     async def _flush(self) -> None:
         if not self._pending:
@@ -484,10 +506,12 @@ class RedisStore(StateStore):
         try:
             results = await self._eval_many("settle", [(self._settle_script, keys, args) for keys, args in batch])
         except Exception:
-            # Kept for later (bounded): usage is counted once Redis is back; leases expire on their own.
-            for item in reversed(batch):
-                if len(self._pending) < MAX_PENDING:
-                    self._pending.appendleft(item)
+            # Kept for later (bounded): usage and budget are counted once Redis is back; leases expire on
+            # their own. The batch goes back before what arrived meanwhile, so the oldest are the ones dropped.
+            room = max(0, self.max_pending - len(self._pending))
+            if room < len(batch):
+                self._dropped(len(batch) - room)
+            self._pending.extendleft(reversed(batch[len(batch) - room :]))
             raise
         failed = sum(1 for r in results if isinstance(r, Exception))
         if failed:

@@ -15,6 +15,7 @@ USAGE_REQUESTS = Counter("gateway_usage_requests_total", "Completed requests cou
 LIMIT_REFUSALS = Counter("gateway_limit_refusals_total", "Requests refused by a per-key limit, by which limit", ["reason"], registry=REGISTRY)
 STATE_DEGRADED = Gauge("gateway_state_degraded", "1 while the shared store (Redis) is unreachable and this replica runs on its local fallback", registry=REGISTRY)
 STATE_ERRORS = Counter("gateway_state_errors_total", "Shared-store calls that failed or timed out, by operation", ["op"], registry=REGISTRY)
+SETTLES_DROPPED = Counter("gateway_state_settles_dropped_total", "Usage and budget settles dropped because Redis was unreachable longer than the bounded queue holds", registry=REGISTRY)
 KEY_RELOADS = Counter("gateway_key_reloads_total", "Key cache reloads, by source and result", ["source", "result"], registry=REGISTRY)
 
 _children: dict[tuple[str, str], tuple[object, object, object, object]] = {}
