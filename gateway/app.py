@@ -87,6 +87,8 @@ class Gateway:
                 metrics=lambda: render_metrics(self.pool, self.launcher),
                 reload=self.reload,
                 launcher=lambda: self.launcher,
+                usage=self.store.usage,
+                key_names=lambda: {k.hash: k.name for k in self.store.keys.all()},
             )
 
     def _pool_changed(self, b: Backend) -> None:

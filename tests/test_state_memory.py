@@ -121,3 +121,26 @@ def test_an_unlimited_key_is_estimated_only_when_the_response_reports_no_usage()
     without = store.unlimited(ApiKeyConfig(name="lazy-b", hash=KEY), "m", estimate)
     store.settle(without, SimpleNamespace(ok=True, prompt_tokens=None, completion_tokens=None))
     assert calls == [1] and prompt_tokens("lazy-b") == 42
+
+
+def test_in_memory_usage_is_kept_for_the_retention_and_no_longer():
+    import time
+    from types import SimpleNamespace
+
+    from gateway.state.base import UsageRow, hour_of
+
+    cfg = parse_config({"auth": {"disabled": True}, "backends": [{"url": "http://127.0.0.1:9"}], "state": {"usage_retention_days": 2}})
+    store = MemoryStore(cfg)
+    key = _key()
+    now = hour_of(time.time())
+    # Rows of earlier hours, as a long-running gateway holds them: one day and three days old.
+    for age_days, n in ((1, 10), (3, 1000)):
+        store._usage[(now - age_days * 86400, KEY, "m")] = UsageRow(KEY, "m", prompt_tokens=n, requests=1)
+    store.settle(store.unlimited(key, "m", 0), SimpleNamespace(ok=True, prompt_tokens=5, completion_tokens=1))  # a new hour prunes
+
+    async def read():
+        return await store.usage(KEY), await store.usage(KEY, since=time.time() - 3600)
+
+    (row,), (recent,) = asyncio.run(read())
+    assert (row.requests, row.prompt_tokens, row.completion_tokens) == (2, 15, 1)  # the three-day-old row is gone
+    assert (recent.requests, recent.prompt_tokens) == (1, 5)

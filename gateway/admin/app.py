@@ -9,6 +9,8 @@
     POST   /admin/backends/{id}/undrain
     POST   /admin/backends/{id}/restart    a launched instance only
     POST   /admin/reload                   re-read the config file; apply what may change live
+    GET    /admin/usage?key=sha256:…&since=T  usage per key and model (the store's: memory or Redis);
+                                           key and since (unix seconds) are optional
     GET    /metrics                        Prometheus text
 
 Every route but ``/status`` needs ``Authorization: Bearer <admin key>``; the admin key is not an
@@ -21,6 +23,7 @@ import hashlib
 import hmac
 import re
 import time
+from urllib.parse import parse_qs
 from importlib import resources
 from typing import Any, Awaitable, Callable
 
@@ -38,6 +41,7 @@ from .stats import LiveStats
 MAX_BODY = 64 * 1024
 _BACKEND_PATH = re.compile(r"^/admin/backends/([A-Za-z0-9._#:\-]{1,128})(?:/(drain|undrain|restart))?$")
 _NAME = re.compile(r"^[A-Za-z0-9._:\-]{1,64}$")
+_KEY_HASH = re.compile(r"^sha256:[0-9a-f]{64}$")
 
 UNAUTHORIZED = Refusal(401, "This needs the admin key: Authorization: Bearer <admin key>.", "admin_unauthorized", code="invalid_admin_key")
 NOT_FOUND = Refusal(404, "Not found.", "route_not_found", code="not_found")
@@ -64,6 +68,8 @@ class AdminApp:
         metrics: Callable[[], bytes],
         reload: Callable[[], Awaitable[list[str]]],
         launcher: Callable[[], Any],
+        usage: Callable[[str | None, float | None], Awaitable[list[Any]]] | None = None,
+        key_names: Callable[[], dict[str, str]] | None = None,
     ):
         self._key = key_hash.encode()
         self.pool = pool
@@ -71,6 +77,8 @@ class AdminApp:
         self.metrics = metrics
         self.reload = reload
         self.launcher = launcher  # the Launcher, or None when nothing is launched
+        self.usage = usage  # the state store's usage(key_hash, since) -> [UsageRow]
+        self.key_names = key_names or dict  # key hash -> name, for the rows
         self.page = resources.files(__package__).joinpath("status.html").read_bytes()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -106,6 +114,9 @@ class AdminApp:
         if path == "/admin/reload":
             _only(method, "POST")
             return await self._reload(send)
+        if path == "/admin/usage":
+            _only(method, "GET")
+            return await self._usage(scope, send)
         if path == "/metrics":
             _only(method, "GET")
             return await _send(send, 200, self.metrics(), b"text/plain; version=0.0.4")
@@ -162,6 +173,33 @@ class AdminApp:
             "series": self.stats.series(60),
             "requests_total": self.stats.total,
         }
+
+    async def _usage(self, scope: Scope, send: Send) -> None:
+        if self.usage is None:
+            raise _Refused(NOT_FOUND)
+        query = parse_qs(scope.get("query_string", b"").decode("latin-1"), max_num_fields=8)
+        key = (query.get("key") or [None])[0]
+        since_text = (query.get("since") or [None])[0]
+        if key is not None and not _KEY_HASH.match(key):
+            raise _Refused(_bad("key: give the key's hash, sha256: and 64 lowercase hex digits (gateway usage resolves names)", "invalid_usage_query"))
+        since = None
+        if since_text is not None:
+            try:
+                since = float(since_text)
+            except ValueError:
+                since = -1.0
+            if not 0 <= since < 1e11:
+                raise _Refused(_bad("since: give unix seconds", "invalid_usage_query"))
+        try:
+            rows = await self.usage(key, since)
+        except Exception as exc:  # Redis unreachable: the store's own timeout has passed
+            raise _Refused(Refusal(503, f"usage could not be read from the state store ({exc.__class__.__name__})", "usage_unavailable", code="usage_unavailable")) from None
+        names = self.key_names()
+        await send_json(send, 200, {"usage": [
+            {"key": names.get(r.key_hash, "?"), "key_hash": r.key_hash, "model": r.model, "requests": r.requests,
+             "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens, "estimated_requests": r.estimated}
+            for r in rows
+        ]})
 
     # -- actions -----------------------------------------------------------------------------------
     async def _add(self, data: Any, send: Send) -> None:

@@ -332,10 +332,13 @@ async def _update(args: argparse.Namespace) -> int:
 
 async def _usage(args: argparse.Namespace) -> int:
     cfg = _config_from(args)
+    if cfg is not None and not cfg.state.redis_url and cfg.admin.enabled:
+        return _print_usage(args, await _usage_from_admin(args, cfg))
     if cfg is None or not cfg.state.redis_url:
         raise CliError(
-            "usage is kept in the shared store: give --config with `state.redis_url` (or --redis-url). "
-            "A gateway with the in-memory store exports it as metrics (gateway_usage_tokens_total) only",
+            "usage is read from the shared store or from a running gateway: give --config with `state.redis_url` "
+            "(or --redis-url), or, for the in-memory store, --config with an `admin:` section (the running gateway's admin "
+            "listener answers; ADMIN_KEY in the environment)",
             EXIT_USAGE,
         )
     target = StoreTarget(cfg)
@@ -351,7 +354,7 @@ async def _usage(args: argparse.Namespace) -> int:
     finally:
         await target.close()
     names = {k.hash: k.name for k in keys}
-    out = [
+    return _print_usage(args, [
         {
             "key": names.get(r.key_hash, "?"),
             "id": r.key_hash[7:15],
@@ -362,7 +365,59 @@ async def _usage(args: argparse.Namespace) -> int:
             "estimated_requests": r.estimated,
         }
         for r in rows
+    ])
+
+
+async def _usage_from_admin(args: argparse.Namespace, cfg: GatewayConfig) -> list[dict[str, Any]]:
+    """The in-memory store lives in the running gateway: ask its admin listener (GET /admin/usage)."""
+    import json
+    import os
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    secret = os.environ.get("ADMIN_KEY", "").strip()
+    if not secret:
+        raise CliError("set ADMIN_KEY in the environment (`gateway admin-key` made it): the in-memory store's usage is read from "
+                       "the running gateway's admin listener", EXIT_USAGE)
+    query = {}
+    if args.key:  # the config's keys, its keys file's included, as the gateway loaded them
+        query["key"] = find(list(cfg.auth.keys), args.key).hash
+    if args.since:
+        query["since"] = repr(parse_time(args.since, future=False))
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(cfg.admin.host, cfg.admin.host)
+    url = f"http://{f'[{host}]' if ':' in host else host}:{cfg.admin.port}/admin/usage?{urllib.parse.urlencode(query)}"
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {secret}"})
+
+    def fetch() -> Any:
+        with urllib.request.urlopen(request, timeout=10) as resp:  # noqa: S310 - our own admin listener, http by design
+            return json.loads(resp.read(16 * 1024 * 1024))
+
+    try:
+        data = await asyncio.to_thread(fetch)
+    except urllib.error.HTTPError as exc:
+        try:
+            message = json.loads(exc.read(65536))["error"]["message"]
+        except Exception:
+            message = exc.reason
+        raise CliError(f"the admin listener at {url.split('?')[0]} answered {exc.code}: {message}") from None
+    except (OSError, ValueError) as exc:
+        raise CliError(f"cannot reach the gateway's admin listener at {url.split('?')[0]} ({exc}); is the gateway running?") from None
+    return [
+        {
+            "key": r["key"],
+            "id": r["key_hash"][7:15],
+            "model": r["model"],
+            "requests": r["requests"],
+            "prompt_tokens": r["prompt_tokens"],
+            "completion_tokens": r["completion_tokens"],
+            "estimated_requests": r["estimated_requests"],
+        }
+        for r in data["usage"]
     ]
+
+
+def _print_usage(args: argparse.Namespace, out: list[dict[str, Any]]) -> int:
     if args.json:
         import json
 
@@ -436,7 +491,7 @@ def add_commands(keys: Any, sub: Any) -> None:
     p.add_argument("--enable", action="store_true", help="un-revoke")
     p.set_defaults(func=lambda a: run(_update, a))
 
-    p = sub.add_parser("usage", help="tokens and requests per key and model, from the shared store")
+    p = sub.add_parser("usage", help="tokens and requests per key and model: from Redis, or from a running in-memory gateway's admin listener")
     p.add_argument("--key", default=None, help="name, 8-hex id or hash")
     p.add_argument("--since", default=None, help="24h, 7d, an ISO date or unix seconds (default: everything kept)")
     p.add_argument("--config", "-c", default=None)
