@@ -52,6 +52,7 @@ class Gateway:
         self.limits = RateLimit(self.store)
         self.cluster: Any = None
         self.follow_backends = False  # a worker that learns launched backends from the launching one (gateway/workers.py)
+        self.internal_key: str | None = None  # the launched api_servers' key, from the --workers parent (never from Redis)
         self.body = BodyPolicy(config.limits)
         self.media = MediaPolicy(config.media)
         self.local = LocalRoutes(self.pool)
@@ -130,7 +131,7 @@ class Gateway:
             from .state.cluster import Cluster
 
             self.cluster = Cluster(self.store, self.pool, Backend, publish_backends=bool(self.config.launch),  # type: ignore[arg-type]
-                                   follow_backends=self.follow_backends)
+                                   follow_backends=self.follow_backends, backend_key=self.internal_key)
             self.cluster.start()  # before the store starts: it subscribes to the cluster's channel too
         await self.store.start()
         self.keys_file.start()
@@ -159,7 +160,7 @@ class Gateway:
             from .launcher import Launcher  # imported lazily: a gateway with only remote backends needs none of it
 
             log_dir = os.environ.get("LMDEPLOY_GATEWAY_LOG_DIR") or Path(self.config.state_dir) / "logs"
-            self.launcher = Launcher(self.config.launch, self.pool, log_dir=log_dir)
+            self.launcher = Launcher(self.config.launch, self.pool, log_dir=log_dir, backend_key=self.internal_key)
             self.local.launcher = self.launcher
             await self.launcher.start()
         await self.pool.check_all()

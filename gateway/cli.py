@@ -54,6 +54,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from .workers import supervise
 
         return supervise(args, cfg, host, port)
+    internal_key = None
+    if args.internal_key_fd is not None:  # from the --workers parent: the key of the launched api_servers
+        internal_key = _read_key_pipe(args.internal_key_fd)
     if args.worker_index:  # one admin listener per host: worker 0's
         cfg = dataclasses.replace(cfg, admin=dataclasses.replace(cfg.admin, enabled=False))
     busy = _busy_ports([(cfg.admin.host, cfg.admin.port)] if cfg.admin.enabled else [])
@@ -62,7 +65,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 1
     signal.signal(signal.SIGHUP, _on_sighup)  # a closed terminal must not stop the gateway without a word
     if cfg.server.http == "uvicorn":
-        return _serve_uvicorn(cfg, host, port, args.worker_index)
+        return _serve_uvicorn(cfg, host, port, args.worker_index, internal_key)
     from . import server
 
     if args.worker_index is not None:  # one of N workers: its own SO_REUSEPORT socket on the shared port
@@ -79,10 +82,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
             return 1
     gateway = Gateway(cfg)
     gateway.follow_backends = bool(args.worker_index)  # workers > 0 learn launched backends from worker 0
+    gateway.internal_key = internal_key
     return server.run(gateway.asgi(), cfg.server, drain=cfg.timeouts.drain, host=host, port=port, sockets=sockets)
 
 
-def _serve_uvicorn(cfg: GatewayConfig, host: str, port: int, worker_index: int | None) -> int:
+def _read_key_pipe(fd: int) -> str:
+    from .launcher.shim import read_key  # the one reader of a key pipe (it also validates the key)
+
+    try:
+        return read_key(fd)
+    except (SystemExit, OSError) as exc:
+        raise SystemExit(f"gateway serve: no usable internal key on --internal-key-fd {fd} ({exc}); only `gateway serve --workers N` sets it") from None
+
+
+def _serve_uvicorn(cfg: GatewayConfig, host: str, port: int, worker_index: int | None, internal_key: str | None = None) -> int:
     """uvicorn, kept only to be measured against (bench/overhead.py): it enforces none of server.max_*."""
     import uvicorn
 
@@ -95,6 +108,7 @@ def _serve_uvicorn(cfg: GatewayConfig, host: str, port: int, worker_index: int |
         cfg, sock = worker_setup(cfg, worker_index, host, port)
     gateway = Gateway(cfg)
     gateway.follow_backends = bool(worker_index)
+    gateway.internal_key = internal_key
     config = uvicorn.Config(
         gateway.asgi(),
         host=host,
@@ -175,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state-dir", default=None, help="override state_dir: where launched instances' logs go (must be writable)")
     p.add_argument("--workers", type=int, default=1, help="processes serving the port (needs state.redis_url when more than 1)")
     p.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--internal-key-fd", type=int, default=None, help=argparse.SUPPRESS)  # a pipe from the --workers parent
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("check-config", help="validate a config file exactly as serve does, and exit")

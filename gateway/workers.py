@@ -8,6 +8,11 @@ socket to the server. Worker 0 alone launches and supervises api_servers (``laun
 others run without ``launch`` and learn the launched backends from the store
 (``gateway/state/cluster.py``). With the in-memory store, N > 1 is refused: each process would
 have its own keys, limits and usage.
+
+The internal key the launched api_servers require is made here, once, and handed to every worker
+through an inherited pipe (``--internal-key-fd N``, as ``launcher/shim.py`` hands it to an
+api_server): worker 0 launches with it, the others call with it, and Redis, which every worker
+shares with whoever else can read it, only ever holds the backends' addresses.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import argparse
 import contextlib
 import dataclasses
 import ipaddress
+import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -70,6 +77,17 @@ def worker_setup(cfg: GatewayConfig, index: int, host: str, port: int) -> tuple[
     return cfg, bind_reuseport(host, port)
 
 
+def key_pipe(key: str) -> int:
+    """The read end of a pipe holding ``key`` (the write end closed): a child that inherits it reads
+    the key, which never appears in any argv or environment."""
+    r, w = os.pipe()
+    try:
+        os.write(w, key.encode())  # 64 bytes: far below the pipe's buffer, never blocks
+    finally:
+        os.close(w)
+    return r
+
+
 def supervise(args: argparse.Namespace, cfg: GatewayConfig, host: str, port: int) -> int:
     n = args.workers
     problem = refusal(cfg, n)
@@ -88,9 +106,16 @@ def supervise(args: argparse.Namespace, cfg: GatewayConfig, host: str, port: int
     children: dict[int, subprocess.Popen[bytes]] = {}
     pauses: dict[int, float] = {}
     stopping: list[int] = []
+    # Hex, as the launcher's own key: never read as a flag. The same for a restarted worker, so a
+    # restarted worker 0 relaunches with the key the others already use.
+    internal_key = secrets.token_hex(32)
 
     def start(i: int) -> None:
-        children[i] = subprocess.Popen(base + ["--workers", "1", "--worker-index", str(i)])
+        fd = key_pipe(internal_key)
+        try:
+            children[i] = subprocess.Popen(base + ["--workers", "1", "--worker-index", str(i), "--internal-key-fd", str(fd)], pass_fds=(fd,))
+        finally:
+            os.close(fd)
 
     def forward(signum: int, _frame: Any) -> None:
         if signum != signal.SIGHUP:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -83,3 +84,70 @@ def test_two_workers_share_one_port_one_launcher_and_the_limits(keys, redis_serv
             proc.stderr.close()
     assert started
     wait_until(lambda: not any(alive(p) for p in started), 20, 0.1, "every worker and api_server gone")
+
+
+def test_the_internal_key_reaches_the_workers_from_the_parent_and_never_redis(keys, redis_server, tmp_path, monkeypatch):
+    import re
+
+    import redis as redis_py
+
+    monkeypatch.setenv("LMDEPLOY_GATEWAY_LOG_DIR", str(tmp_path / "logs"))
+    port, prefix = free_port(), "k" + os.urandom(4).hex()
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "auth": {"keys": keys.entries},
+        "launch": {"model": "sim-model", "model_name": "chat", "engine": "sim", "instances": 1, "health_interval": 0.2,
+                   "sim": {"ttft": 0, "tpot": 0}},
+        "health": {"interval": 0.2, "timeout": 1.0},
+        "server": {"port": port},
+        "state": {"redis_url": redis_server.url, "prefix": prefix},
+    }))
+    proc = _serve(cfg, "--workers", "2")
+    r = redis_py.Redis.from_url(redis_server.url, socket_timeout=5)
+    try:
+        body = {"model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+
+        def one() -> int:
+            try:  # a fresh connection each time: the kernel spreads them over both workers
+                with httpx.Client(timeout=10) as c:
+                    return c.post(f"http://127.0.0.1:{port}/v1/chat/completions", headers={"authorization": f"Bearer {keys.alice}"}, json=body).status_code
+            except httpx.HTTPError:
+                return 0
+
+        wait_until(lambda: all(one() == 200 for _ in range(12)), 90, 0.3, "both workers serving the launched backend")
+        assert [one() for _ in range(24)] == [200] * 24  # worker 1 calls worker 0's api_server with the parent's key
+
+        # Everything under this gateway's prefix, keys and values (hashes field by field), as anyone with Redis access reads it.
+        texts: list[bytes] = []
+        for k in r.scan_iter(match=f"{prefix}:*", count=1000):
+            texts.append(k)
+            kind = r.type(k)
+            if kind == b"hash":
+                for f, v in r.hgetall(k).items():
+                    texts += [f, v]
+            elif kind == b"string":
+                texts.append(r.get(k) or b"")
+            elif kind == b"zset":
+                texts += r.zrange(k, 0, -1)
+        directory = r.hgetall(f"{prefix}:backends")
+        assert directory, "the launched backend is published"
+        urls = {json.loads(v)["url"] for v in directory.values()}
+        assert all("api_key" not in json.loads(v) for v in directory.values())
+        # The internal key is in no process's argv, so the test cannot read it: instead no string held in
+        # Redis (nor any token in one) opens the launched api_server, which refuses a call without its key.
+        candidates = {t for text in texts for t in [text, *re.findall(rb"[A-Za-z0-9_\-]{16,}", text)] if len(t) >= 16}
+        with httpx.Client(timeout=5) as c:
+            for url in urls:
+                assert c.get(url + "/v1/models").status_code == 401
+                opened = [t for t in candidates if c.get(url + "/v1/models", headers={"authorization": b"Bearer " + t}).status_code != 401]
+                assert opened == []
+    finally:
+        r.close()
+        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+        if proc.stderr:
+            proc.stderr.close()

@@ -114,6 +114,7 @@ class Launcher:
         env: dict[str, str] | None = None,
         progress: TextIO | None = None,
         progress_tty: bool | None = None,
+        backend_key: str | None = None,
     ):
         self.groups = tuple(groups)
         self.pool = pool
@@ -125,9 +126,10 @@ class Launcher:
         self._lmdeploy = lmdeploy or (lambda executable: probe_lmdeploy(executable, env))
         self._progress_stream = progress
         self._progress_tty = progress_tty
-        # The key every instance requires; only this process holds it, and a new start makes a new one.
+        # The key every instance requires; only this process holds it (and, under --workers, the other
+        # workers: the parent hands it to each), and a new start makes a new one.
         # Hex, not token_urlsafe: a key starting with "-" would read as a flag to argparse.
-        self.backend_key = secrets.token_hex(32)
+        self.backend_key = backend_key or secrets.token_hex(32)
         self.plans: list[GroupPlan] = []
         self.instances: list[Instance] = []
         self._stopping = False

@@ -6,7 +6,9 @@
 - Ejection: when this replica ejects a failing backend it publishes the backend id and how long;
   the others eject it for as long (an ejection they learn is not published again).
 - Directory: the one process that launches api_servers (worker 0 of ``--workers N``) publishes
-  the launched backends every second; followers add them to their pool and drop those that go.
+  the launched backends' addresses and models every second; followers add them to their pool
+  (calling them with the internal key the ``--workers`` parent handed every worker, never a key
+  read from Redis) and drop those that go.
 """
 
 from __future__ import annotations
@@ -27,13 +29,16 @@ DIRECTORY_TTL_MS = 5000
 
 
 class Cluster:
-    def __init__(self, store: RedisStore, pool: Any, make_backend: Any, *, publish_backends: bool, follow_backends: bool) -> None:
-        """pool: the routing layer's BackendPool; make_backend: its Backend class (this layer sits below routing)."""
+    def __init__(self, store: RedisStore, pool: Any, make_backend: Any, *, publish_backends: bool, follow_backends: bool,
+                 backend_key: str | None = None) -> None:
+        """pool: the routing layer's BackendPool; make_backend: its Backend class (this layer sits below routing);
+        backend_key: the launched backends' internal key (from the --workers parent)."""
         self.store = store
         self.pool = pool
         self.make_backend = make_backend
         self.publish_backends = publish_backends
         self.follow_backends = follow_backends
+        self.backend_key = backend_key
         self.events = f"{store.cfg.prefix}:events"
         self.directory = f"{store.cfg.prefix}:backends"
         self._seen_ejections: dict[str, int] = {}
@@ -128,7 +133,7 @@ class Cluster:
 
     async def _publish_directory(self) -> None:
         entries = {
-            b.id: orjson.dumps({"url": b.url, "api_key": b.api_key, "models": sorted(b.models)})
+            b.id: orjson.dumps({"url": b.url, "models": sorted(b.models)})  # no key: anyone who reads Redis would have it
             for b in self.pool
             if b.origin == "launched"
         }
@@ -147,13 +152,12 @@ class Cluster:
             try:
                 entry = orjson.loads(v)
                 url, models = str(entry["url"]), frozenset(str(m) for m in entry["models"])
-                api_key = entry.get("api_key")
             except (orjson.JSONDecodeError, KeyError, TypeError):
                 continue
             present.add(bid)
             b = self.pool.get(bid)
             if b is None:
-                self.pool.add(self.make_backend(id=bid, url=url, api_key=api_key, models=models, static_models=True, origin="launched"))
+                self.pool.add(self.make_backend(id=bid, url=url, api_key=self.backend_key, models=models, static_models=True, origin="launched"))
                 self._learned.add(bid)
                 log.info("backend %s learned from the launching process", bid)
             elif bid in self._learned and b.url != url:
