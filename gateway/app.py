@@ -69,6 +69,8 @@ class Gateway:
         self.queue: GatewayQueue | None = None
         if config.balancer.queue.enabled and self.balancer.predicts:
             self.queue = self.router.queue = GatewayQueue(Admission(config.balancer.queue, self.balancer, self.pool.eligible, time.monotonic))
+        if self.disagg is not None and config.balancer.queue.enabled:  # PD models: the picker predicts, whatever the policy
+            self.disagg.enable_queue(config.balancer.queue, time.monotonic)
         self.pool.on_change(self._pool_changed)
         self.launcher: Any = None
         for b in static_backends(config):
@@ -95,13 +97,18 @@ class Gateway:
     def _pool_changed(self, b: Backend) -> None:
         if self.pool.get(b.id) is not b:  # it left the pool: the policy's state about it goes too
             self.balancer.forget(b.id)
-        if self.queue is not None:  # a backend back (or new) can take waiting requests
-            self.queue.wake()
+        self._wake_queues()  # a backend back (or new) can take waiting requests
 
     def _observe_signals(self, b: Backend, signals: Signals, changed: bool) -> None:
         self.balancer.observe_signals(b, signals, changed)
+        self._wake_queues()
+
+    def _wake_queues(self) -> None:
+        """Capacity may have freed somewhere: the queues (hybrid and prefill/decode models) bind who can start."""
         if self.queue is not None:
             self.queue.wake()
+        if self.disagg is not None and self.disagg.queue is not None:
+            self.disagg.queue.wake()
 
     def asgi(self) -> Listener:
         if self._listener is None:
@@ -131,7 +138,8 @@ class Gateway:
             from .state.cluster import Cluster
 
             self.cluster = Cluster(self.store, self.pool, Backend, publish_backends=bool(self.config.launch),  # type: ignore[arg-type]
-                                   follow_backends=self.follow_backends, backend_key=self.internal_key)
+                                   follow_backends=self.follow_backends, backend_key=self.internal_key,
+                                   freed=self._wake_queues)
             self.cluster.start()  # before the store starts: it subscribes to the cluster's channel too
         await self.store.start()
         self.keys_file.start()

@@ -5,7 +5,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from gateway.routing.pd_policy import PDPicker
+from gateway.routing.pd_policy import PDPicker, PDRequest
+from gateway.routing.policies import Outcome
 from gateway.routing.pool import Backend
 from support import GatewayServer, wait_until
 from test_disagg_e2e import ds, instances, pd_config, recorded, sim_control
@@ -29,6 +30,68 @@ def test_prefill_goes_where_the_predicted_wait_is_shortest():
     picker.prefill_done(b, 100, seconds=1.0)
     assert picker.predicted_wait(b, 1000) > picker.predicted_wait(a, 1000)
 
+
+
+def pd_req(tokens: int = 100, decode_tokens: int = 200) -> PDRequest:
+    return PDRequest(model="m", prompt_tokens=tokens, prompt=b"p", decode_tokens=decode_tokens)
+
+
+@pytest.mark.parametrize(
+    ("slots", "ours", "theirs", "queued_tokens", "hold", "reserve", "fits"),
+    [
+        (None, 0, 0, 0, 0.0, 0.0, True),  # idle
+        (None, 3, 0, 0, 0.0, 0.0, True),  # slots unknown, nothing queued ahead
+        (None, 1, 0, 40000, 0.5, 0.0, False),  # 2 s of prefill queued here (1/20000 s a token) > hold
+        (None, 1, 0, 4000, 0.5, 0.0, True),  # 0.2 s <= hold
+        (2, 1, 0, 0, 0.5, 0.0, True),  # one slot of two free
+        (2, 1, 1, 0, 0.5, 0.0, False),  # slots - ours - theirs = 0
+        (1, 0, 1, 0, 0.5, 0.0, False),  # idle here, busy through another replica: not idle
+        (4, 1, 1, 0, 0.5, 0.5, False),  # a lower class leaves 2 of 4 free: 2 free is not enough
+        (4, 1, 0, 0, 0.5, 0.5, True),
+    ],
+)
+def test_prefill_room_counts_every_replicas_requests_and_the_queued_prefill(slots, ours, theirs, queued_tokens, hold, reserve, fits):
+    picker = PDPicker()
+    (p,) = backends(1, "prefill")
+    (d,) = backends(1, "decode")
+    p.slots = slots
+    for _ in range(ours):
+        picker.dispatched(p, pd_req(tokens=0))
+    if queued_tokens:
+        picker.prefill_started(p, queued_tokens)
+    p.remote_in_flight = theirs
+    assert (picker.room([p], [d], pd_req(), hold, reserve) == [p]) is fits
+
+
+def test_nothing_starts_while_no_decode_instance_has_kv_room_unless_one_is_idle():
+    picker = PDPicker()
+    (p,) = backends(1, "prefill")
+    d1, d2 = backends(2, "decode")
+    for d in (d1, d2):
+        picker.set_capacity(d, 1000)
+    picker.decode_started(d1, 900)
+    d1.in_flight = 1
+    assert picker.room([p], [d1], pd_req(decode_tokens=200), 0.5) == []  # 900 + 200 > 1000
+    assert picker.room([p], [d1, d2], pd_req(decode_tokens=200), 0.5) == [p]
+    picker.decode_started(d2, 900)
+    d2.remote_in_flight = 1
+    assert picker.room([p], [d1, d2], pd_req(decode_tokens=200), 0.5) == []
+    assert picker.room([p], [d1, d2], pd_req(decode_tokens=2000), 0.5) == []
+    d1.in_flight = 0
+    picker.decode_done(d1, 900)
+    assert picker.room([p], [d1, d2], pd_req(decode_tokens=2000), 0.5) == [p]  # too big for any, but d1 is idle: never stuck
+
+
+def test_dispatched_and_completed_hold_the_prefill_reservation_once():
+    picker = PDPicker(affinity_slack=0.0)
+    a, b = backends(2, "prefill")
+    r = pd_req(tokens=4000)
+    picker.dispatched(a, r)
+    assert a.in_flight == 1 and picker.wait_ahead(a) > 0
+    assert picker.pick([a, b], pd_req()) is b  # the queued prefill counts
+    picker.completed(a, r, Outcome(status=200, ok=True, ttft=0.4))
+    assert a.in_flight == 0 and picker.wait_ahead(a) == 0
+    assert picker.predicted_wait(a, 1000) > picker.predicted_wait(b, 1000)  # learnt 0.1 ms a token, slower than the prior
 
 def test_prefix_affinity_keeps_a_prompt_start_on_one_instance_within_the_slack():
     picker = PDPicker(affinity_slack=0.5)

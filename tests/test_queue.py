@@ -376,3 +376,69 @@ def test_other_replicas_in_flight_from_the_shared_state_take_slots_too():
     a.remote_in_flight = 2  # two requests through another gateway replica fill the batch
     p = bal.predict([a], req())[0]
     assert p.wait > 0 and p.free == 0
+
+
+# -- several gateway replicas: the other replicas' in-flight requests (shared state) ----------------
+
+
+def shared_admission(clock: Clock, members: list[Backend], slots: int, **queue) -> Admission:
+    bal = mel(clock, slots=slots)
+    queue.setdefault("hold_wait", 0.0)  # any wait for a slot holds a request back
+    return Admission(QueueConfig(**queue), bal, lambda model: members, clock)
+
+
+@pytest.mark.parametrize(
+    ("local", "remote", "binds"),
+    [
+        (0, 0, True),  # idle everywhere
+        (0, 1, True),  # one of two slots taken through another replica: one free
+        (1, 0, True),
+        (1, 1, False),  # slots - ours - theirs = 0
+        (0, 2, False),  # idle here, full through the others: the idle clause must not admit
+        (2, 0, False),
+        (0, 5, False),  # more than its slots through the others (their engine queues): still full
+    ],
+)
+def test_free_slots_are_slots_less_ours_less_the_other_replicas(local, remote, binds):
+    clock = Clock()
+    (a,) = backends("a")
+    adm = shared_admission(clock, [a], slots=2)
+    for _ in range(local):
+        adm.balancer.dispatched(a, req())
+    a.remote_in_flight = remote
+    got = adm.admit(req(), "k", INTERACTIVE)
+    assert isinstance(got, Backend) is binds, got
+    assert a.in_flight == local + binds
+
+
+def test_a_backend_full_through_the_others_is_skipped_for_one_with_room():
+    clock = Clock()
+    a, b = backends("a", "b")
+    adm = shared_admission(clock, [a, b], slots=1)
+    a.remote_in_flight = 1
+    assert adm.admit(req(), "k", INTERACTIVE) is b
+    got = adm.admit(req(), "k", INTERACTIVE)  # a: theirs; b: ours
+    assert isinstance(got, Waiter)
+
+
+def test_a_waiter_binds_when_the_other_replicas_request_finishes():
+    clock = Clock()
+    (a,) = backends("a")
+    adm = shared_admission(clock, [a], slots=1)
+    a.remote_in_flight = 1
+    w = adm.admit(req(), "k", INTERACTIVE)
+    assert isinstance(w, Waiter) and adm.drain("m") == []
+    a.remote_in_flight = 0  # the load exchange: their request finished (the cluster then wakes the queue)
+    assert adm.drain("m") == [w] and w.backend is a
+
+
+def test_lower_classes_count_the_other_replicas_in_the_reserve():
+    clock = Clock()
+    (a,) = backends("a")
+    adm = shared_admission(clock, [a], slots=4, reserve=0.5, hold_wait=0.5)
+    assert isinstance(adm.admit(req(), "ui", INTERACTIVE), Backend)  # interactive traffic: lower classes keep 2 of 4 free
+    a.remote_in_flight = 1  # 1 ours + 1 theirs: 2 free, taking one would leave 1
+    assert isinstance(adm.admit(req(), "bulk", BATCH), Waiter)
+    a.remote_in_flight = 0
+    assert len(adm.drain("m")) == 1
+

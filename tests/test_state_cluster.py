@@ -120,3 +120,85 @@ def test_load_interval_is_bounded():
     with pytest.raises(ConfigError, match="load_interval"):
         parse_config({"auth": {"disabled": True}, "backends": [{"url": "http://127.0.0.1:9"}],
                       "state": {"redis_url": "redis://127.0.0.1:6379/0", "load_interval": 0.001}})
+
+
+def test_two_replicas_never_admit_more_than_a_backends_slots_between_them(keys, redis_server):
+    """One backend with one batch slot, two replicas, held long requests: the replica that sees the slot
+    taken through the other holds its requests in its queue (hold_wait 0), and binds them when the
+    other's request finishes. No /metrics polling (scrape_interval 0): the load exchange alone tells it."""
+    sim_args = ("--max-batch-size", "1", "--ttft", "0.005", "--tpot", "0.05")
+    with Sim(MODEL, *sim_args, api_key="backend-secret") as sim:
+        a, b = _pair(keys, sim, redis_server.url, balancer={"slots": 1, "scrape_interval": 0, "queue": {"hold_wait": 0.0}})
+        try:
+            ba, bb = a.gateway.pool.get("sim-0"), b.gateway.pool.get("sim-0")
+            wait_until(lambda: ba.healthy and bb.healthy, 10, 0.02, "healthy on both")
+            peak = [0]
+            stop = threading.Event()
+
+            def sample() -> None:  # the combined admitted in-flight, as the two replicas hold it
+                while not stop.is_set():
+                    peak[0] = max(peak[0], ba.in_flight + bb.in_flight)
+                    time.sleep(0.002)
+
+            statuses: list[int] = []
+
+            def post(gw: GatewayServer, tokens: int) -> None:
+                statuses.append(_post(gw, keys.alice, max_tokens=tokens).status_code)
+
+            sampler = threading.Thread(target=sample)
+            sampler.start()
+            held = threading.Thread(target=post, args=(a, 40))  # about 2 s on the only slot
+            held.start()
+            wait_until(lambda: bb.remote_in_flight == 1, 3, 0.01, "a's request seen by b")
+            others = [threading.Thread(target=post, args=(b, 4)) for _ in range(3)] + [threading.Thread(target=post, args=(a, 4))]
+            for t in others:
+                t.start()
+            wait_until(lambda: b.gateway.queue.admission.waiting() == 3 and a.gateway.queue.admission.waiting() == 1, 3, 0.01, "waiting on both")
+            time.sleep(0.3)  # several load exchanges while a holds the slot
+            assert held.is_alive() and bb.in_flight == 0 and sim.stats()["in_flight"] == 1
+            for t in [held, *others]:
+                t.join(30)
+            stop.set()
+            sampler.join(5)
+            assert statuses == [200] * 5
+            assert peak[0] == 1
+            assert len([r for r in sim.requests() if r["path"] == "/v1/chat/completions"]) == 5
+        finally:
+            a.stop()
+            b.stop()
+
+
+def test_followers_learn_launched_backends_with_their_role_and_slots(redis_server):
+    """Worker 0 publishes its launched backends; a follower's pool gets their role and batch slots, so its
+    queue and PD dispatch treat them as worker 0's do."""
+    import asyncio
+    import random
+
+    from gateway.config import parse_config
+    from gateway.config.balancer import BalancerConfig
+    from gateway.routing.policies import RequestInfo, make_balancer
+    from gateway.routing.pool import Backend, BackendPool
+    from gateway.state.cluster import Cluster
+    from gateway.state.redis import RedisStore
+
+    cfg = parse_config({"auth": {"disabled": True}, "backends": [{"url": "http://127.0.0.1:9"}],
+                        "state": {"redis_url": redis_server.url, "prefix": "t" + secrets.token_hex(4)}})
+
+    async def run() -> None:
+        s0, s1 = RedisStore(cfg), RedisStore(cfg)
+        try:
+            launched, follower = BackendPool(cfg.health), BackendPool(cfg.health)
+            launched.add(Backend(id="pd#0", url="http://127.0.0.1:1001", models=frozenset({"pd"}), origin="launched", role="prefill", slots=8))
+            launched.add(Backend(id="m#0", url="http://127.0.0.1:1002", models=frozenset({"m"}), origin="launched"))
+            await Cluster(s0, launched, Backend, publish_backends=True, follow_backends=False)._publish_directory()
+            await Cluster(s1, follower, Backend, publish_backends=False, follow_backends=True)._follow_directory()
+            p, h = follower.get("pd#0"), follower.get("m#0")
+            assert (p.role, p.slots, p.origin) == ("prefill", 8, "launched")
+            assert (h.role, h.slots) == ("hybrid", None)
+            bal = make_balancer("min_expected_latency", BalancerConfig(), rng=random.Random(0))
+            assert bal.predict([p], RequestInfo(model="pd", prompt_tokens=10, max_tokens=10))[0].slots == 8
+        finally:
+            await s0.r.aclose()
+            await s1.r.aclose()
+
+    asyncio.run(run())

@@ -15,6 +15,11 @@ As lmdeploy's proxy does it (``serve/proxy/proxy.py``, ``pytorch/disagg/conn/pro
 5. **Drop**: when an instance leaves or dies, its connections are dropped
    (``/distserve/p2p_drop_connect`` on both ends) and sessions still migrating from it are freed.
 
+Admission goes through the gateway queue (``queue.Admission``, as for hybrid models: priority
+classes, fair shares among keys, max wait and shedding): the queue binds a request to a prefill
+instance once one has room (``PDPicker.room``), and the decode instance is picked when the prefill
+is done. Retries are picked at once, as the router's are.
+
 Only the gateway ever sets ``migration_request``, ``with_cache`` or ``preserve_cache``: the body
 filter removes them from every client body before this module sees it. Retries follow the
 router's rule: only before the client saw a byte, and a failed attempt's prefill blocks are freed.
@@ -31,14 +36,16 @@ from typing import Any, Awaitable, Callable
 import orjson
 from prometheus_client import Counter
 
-from .. import metrics
+from .. import metrics, tracing
+from ..config.balancer import DEFAULT_PRIORITY, QueueConfig
 from ..config.disagg import MIGRATION_PROTOCOL_VALUE, ModelServing
 from ..errors import Refusal, model_not_found, sse_error_event
 from ..filters import RequestContext
 from ..upstream import UpstreamFailure, UpstreamInvalid, UpstreamResponse, UpstreamTimeout, control_call
-from .pd_policy import PDPicker
+from .pd_policy import PDPicker, PDRequest
 from .pool import Backend, BackendPool
 from .policies import Outcome
+from .queue import LOW_PREFILL_AHEAD, Admission, GatewayQueue
 from .router import TIMEOUTS, UPSTREAM_FAILED, _read_sse_usage, _read_usage, backend_error, open_upstream, refuse_invalid
 
 log = logging.getLogger("gateway.disagg")
@@ -292,7 +299,23 @@ class PDDispatcher:
         self.conns = PDConnections(lambda: self.client, control_timeout, self.picker)
         self._tasks: set[asyncio.Task[Any]] = set()
         self.closing = False
+        self.queue: GatewayQueue | None = None  # set by enable_queue
         pool.on_change(self._backend_changed)
+
+    def enable_queue(self, config: QueueConfig, clock: Callable[[], float]) -> GatewayQueue:
+        """Admission through the gateway queue: it binds the prefill phase (the picker is its binder)."""
+        def prefills(model: str) -> list[Backend]:
+            return [b for b in self.pool.eligible(model) if b.role == "prefill"]
+
+        self.queue = GatewayQueue(Admission(config, self.picker, prefills, clock, room=self._room))
+        return self.queue
+
+    def _room(self, prefills: Any, req: PDRequest, priority: int) -> list[Backend]:
+        adm = self.queue.admission  # type: ignore[union-attr]
+        decodes = [b for b in self.pool.eligible(req.model) if b.role == "decode"]
+        if adm.reserving(req.model, priority):  # leave slots and an empty prefill queue to interactive requests
+            return self.picker.room(prefills, decodes, req, min(adm.config.hold_wait, LOW_PREFILL_AHEAD), adm.config.reserve)
+        return self.picker.room(prefills, decodes, req, adm.config.hold_wait)
 
     def serves(self, model: str) -> bool:
         return model in self.models
@@ -350,45 +373,62 @@ class PDDispatcher:
         prompt = orjson.dumps(body.get("messages") if kind == "chat" else body.get("prompt"))
         tokens = max(1, len(prompt) // 4)  # a rough count: enough to compare instances
         out = body.get("max_completion_tokens") or body.get("max_tokens")
-        decode_tokens = tokens + (out if type(out) is int and out > 0 else 512)
+        out = out if type(out) is int and out > 0 else None
+        req = PDRequest(model=model, stream=body.get("stream") is True, prompt_tokens=tokens, max_tokens=out,
+                        prompt=prompt, decode_tokens=tokens + (out or 512))
         tried_p: set[str] = set()
         tried_d: set[str] = set()
-        attempts = 1 + self.retries
-        for attempt in range(attempts):
-            last = attempt == attempts - 1
-            eligible = self.pool.eligible(model)
-            ps = [b for b in eligible if b.role == "prefill"]
-            ds = [b for b in eligible if b.role == "decode"]
-            ps = [b for b in ps if b.id not in tried_p] or ps
-            ds = [b for b in ds if b.id not in tried_d] or ds
-            if not ps or not ds:
-                refusal = NO_INSTANCE if self.pool.knows_model(model) else model_not_found(model)
-                await reply(refusal)
-                return refusal.status
-            p = self.picker.pick_prefill(ps, tokens, prompt)
-            result = await self._prefill(p, path, prefill_payload, headers, tokens, send, reply, last)
-            if result is None:
-                tried_p.add(p.id)
-                metrics.RETRIES.labels(reason="prefill_failed").inc()
-                continue
-            if isinstance(result, int):
-                return result  # the prefill instance's own answer (an error) went to the client
-            d = self.picker.pick_decode(ds, decode_tokens)
-            status = await self._decode_phase(p, d, result, serving, ctx, body, path, headers, send, reply, last, decode_tokens)
-            if status is not None:
-                return status
-            tried_d.add(d.id)
-            metrics.RETRIES.labels(reason="decode_failed").inc()
-        raise AssertionError("unreachable: the last attempt always answers")
+        queued = False
+        try:
+            for attempt in range(1 + self.retries):
+                last = attempt == self.retries
+                eligible = self.pool.eligible(model)
+                ps = [b for b in eligible if b.role == "prefill"]
+                ds = [b for b in eligible if b.role == "decode"]
+                ps = [b for b in ps if b.id not in tried_p] or ps
+                ds = [b for b in ds if b.id not in tried_d] or ds
+                if not ps or not ds:
+                    refusal = NO_INSTANCE if self.pool.knows_model(model) else model_not_found(model)
+                    await reply(refusal)
+                    return refusal.status
+                if attempt == 0 and self.queue is not None:
+                    # The queue binds the prefill phase (picked and dispatched) when an instance has room.
+                    with tracing.child(ctx, "pick", candidates=len(ps), queued=True):
+                        admitted = await self.queue.acquire(req, ctx.key.name if ctx.key else "", ctx.key.priority if ctx.key else DEFAULT_PRIORITY)
+                    if isinstance(admitted, Refusal):
+                        await reply(admitted)
+                        return admitted.status
+                    p, queued = admitted, True
+                else:
+                    p = self.picker.pick(ps, req)
+                    self.picker.dispatched(p, req)
+                result = await self._prefill(p, req, path, prefill_payload, headers, send, reply, last)
+                if result is None:
+                    tried_p.add(p.id)
+                    metrics.RETRIES.labels(reason="prefill_failed").inc()
+                    continue
+                if isinstance(result, int):
+                    return result  # the prefill instance's own answer (an error) went to the client
+                # Decode instances as they are now: the request may have waited in the queue meanwhile.
+                ds = [b for b in self.pool.eligible(model) if b.role == "decode" and b.id not in tried_d] or ds
+                d = self.picker.pick_decode(ds, req.decode_tokens)
+                status = await self._decode_phase(p, d, result, serving, ctx, body, path, headers, send, reply, last, req.decode_tokens)
+                if status is not None:
+                    return status
+                tried_d.add(d.id)
+                metrics.RETRIES.labels(reason="decode_failed").inc()
+            raise AssertionError("unreachable: the last attempt always answers")
+        finally:
+            if queued:  # a decode's KV is freed (or the request failed): a waiter may start now
+                self.queue.completed(model)  # type: ignore[union-attr]
 
     async def _prefill(
-        self, p: Backend, path: str, payload: bytes, headers: list[tuple[bytes, bytes]], tokens: int, send: Send, reply: Reply, last: bool
+        self, p: Backend, req: PDRequest, path: str, payload: bytes, headers: list[tuple[bytes, bytes]], send: Send, reply: Reply, last: bool
     ) -> PrefillResult | int | None:
-        """The prefill phase: its result, the status already sent to the client, or None to retry."""
+        """The prefill phase on p (already ``dispatched``): its result, the status already sent to
+        the client, or None to retry."""
         start = time.monotonic()
-        self.picker.prefill_started(p, tokens)
-        p.in_flight += 1
-        seconds = None
+        outcome = Outcome(status=0, ok=False)
         try:
             response = await open_upstream(self.upstream, self.pool, p, path, payload, headers, reply, last)
             if not isinstance(response, UpstreamResponse):
@@ -423,7 +463,7 @@ class PDDispatcher:
                 await _send_whole(send, response, data)  # the backend's own refusal (a too-long prompt, ...)
                 return response.status
             self.pool.report_success(p)
-            seconds = time.monotonic() - start
+            outcome.ok, outcome.ttft = True, time.monotonic() - start
             result = parse_prefill(data) if len(data) <= MAX_PREFILL_BYTES else None
             if result is None:
                 log.warning("prefill answer from %s is not usable", p.id)
@@ -431,8 +471,9 @@ class PDDispatcher:
                 return PREFILL_INVALID.status
             return result
         finally:
-            p.in_flight -= 1
-            self.picker.prefill_done(p, tokens, seconds)
+            self.picker.completed(p, req, outcome)
+            if self.queue is not None:  # its slot is free: the next waiter's prefill may start
+                self.queue.wake(req.model)
 
     async def _decode_phase(
         self,

@@ -10,13 +10,22 @@
   an instance that cannot hold the request is used only when none can.
 
 State is the picker's own (keyed by backend id), learnt from what the dispatcher reports.
+
+For the gateway queue (``queue.Admission``) the picker is the binder of the prefill phase:
+``pick``/``dispatched``/``completed`` as a balancing policy's, and ``room``: the prefill instances
+that can start a request now. An instance has room while it has a free batch slot (its ``slots``
+less this gateway's and the other replicas' requests on it) and its predicted prefill queue is
+within ``hold``; an idle one always has. Nothing starts while no decode instance has KV room for
+the request (unless one is idle), so a full decode side holds requests in the gateway too.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Sequence
 
+from .policies import Outcome, RequestInfo
 from .pool import Backend
 
 DEFAULT_SECONDS_PER_TOKEN = 1 / 20000  # until the first prefill on an instance is measured
@@ -35,6 +44,14 @@ class _DecodeState:
     running: int = 0
     reserved_tokens: int = 0
     capacity_tokens: int | None = None  # from /distserve/engine_info
+
+
+@dataclass(slots=True, eq=False)
+class PDRequest(RequestInfo):
+    """A disaggregated request as the queue and the picker see it."""
+
+    prompt: bytes = field(default=b"", repr=False)  # the start decides prefix affinity
+    decode_tokens: int = 0  # KV it will hold on the decode instance: prompt + output
 
 
 class PDPicker:
@@ -57,6 +74,42 @@ class PDPicker:
             if waits[home.id] <= waits[best.id] + self.affinity_slack:
                 return home
         return best
+
+    def wait_ahead(self, b: Backend) -> float:
+        """Seconds of this gateway's prefill already queued on b."""
+        st = self._prefill.get(b.id)
+        return st.outstanding_tokens * st.seconds_per_token if st is not None else 0.0
+
+    # -- the queue's binder (the prefill phase) ----------------------------------------------------
+    def pick(self, candidates: Sequence[Backend], req: PDRequest) -> Backend:
+        return self.pick_prefill(list(candidates), req.prompt_tokens, req.prompt)
+
+    def dispatched(self, b: Backend, req: PDRequest) -> None:
+        """The prefill is b's from now (bound by the queue or picked on a retry)."""
+        self.prefill_started(b, req.prompt_tokens)
+        b.in_flight += 1
+
+    def completed(self, b: Backend, req: PDRequest, outcome: Outcome) -> None:
+        """Exactly once per ``dispatched``; ``outcome.ttft`` is the prefill's time when it succeeded."""
+        b.in_flight -= 1
+        self.prefill_done(b, req.prompt_tokens, outcome.ttft if outcome.ok else None)
+
+    def prefill_fits(self, b: Backend, hold: float, reserve: float) -> bool:
+        busy = b.in_flight + b.remote_in_flight  # every replica's requests take its slots
+        if b.slots is not None and b.slots - busy < 1 + int(reserve * b.slots):
+            return False
+        return busy == 0 or self.wait_ahead(b) <= hold
+
+    def decode_fits(self, d: Backend, tokens: int) -> bool:
+        return d.in_flight + d.remote_in_flight == 0 or self.decode_score(d, tokens)[0] == 0
+
+    def room(self, prefills: Sequence[Backend], decodes: Sequence[Backend], req: PDRequest, hold: float, reserve: float = 0.0) -> list[Backend]:
+        """The prefill instances that can start req now: a free slot, at most ``hold`` seconds of
+        prefill queued, and a decode instance with KV room for it. ``reserve``: the share of each
+        prefill instance's slots to leave free (classes below interactive while interactive come)."""
+        if not any(self.decode_fits(d, req.decode_tokens) for d in decodes):
+            return []
+        return [b for b in prefills if self.prefill_fits(b, hold, reserve)]
 
     def prefill_started(self, b: Backend, tokens: int) -> None:
         self._prefill.setdefault(b.id, _PrefillState()).outstanding_tokens += tokens

@@ -18,8 +18,11 @@ refused.
 
 ``Admission`` is the logic, without I/O or timers (the offline bench drives it in virtual time);
 ``GatewayQueue`` adds the futures and deadline timers the router awaits. Capacity comes from
-``room``, by default the policy's predictions, whose load includes other gateway replicas' through
-the backends' /metrics; a shared in-flight count plugs in there.
+``room``, by default the policy's predictions. With several gateway replicas on one Redis, a
+backend's load counts the others' in-flight requests (``Backend.remote_in_flight``, exchanged every
+``state.load_interval``) as well as its /metrics: its free slots are slots - ours - theirs, and
+a backend is idle only when neither has a request on it. The exchange is that stale, so two
+replicas may both bind to the last free slot within one interval; nothing else oversubscribes.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import asyncio
 import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 from .. import metrics
 from ..config.balancer import DEFAULT_PRIORITY, QueueConfig, priority_name
@@ -38,6 +41,16 @@ from .pool import Backend
 
 # (eligible backends, the request, its priority class) -> the backends that can start it now.
 Room = Callable[[Sequence[Backend], RequestInfo, int], Sequence[Backend]]
+
+
+class Binder(Protocol):
+    """Who binds a request to one of the backends with room: a balancing policy, or the
+    prefill/decode picker for its prefill phase (``pd_policy.PDPicker``). ``completed`` is called
+    here only for a request bound just before its client left."""
+
+    def pick(self, candidates: Sequence[Backend], req: Any) -> Backend: ...
+    def dispatched(self, backend: Backend, req: Any) -> None: ...
+    def completed(self, backend: Backend, req: Any, outcome: Outcome) -> None: ...
 
 # A request is refused on arrival when its predicted wait exceeds this share of its class's limit:
 # at the limit itself, half of those admitted would still time out in the queue (slowly).
@@ -187,7 +200,8 @@ class ModelQueue:
 class Admission:
     """The queue's decisions, without I/O: bind now, wait, or refuse."""
 
-    def __init__(self, config: QueueConfig, balancer: Balancer, eligible: Callable[[str], list[Backend]], clock: Callable[[], float], room: Room | None = None):
+    def __init__(self, config: QueueConfig, balancer: Balancer | Binder, eligible: Callable[[str], list[Backend]], clock: Callable[[], float], room: Room | None = None):
+        """balancer binds; without ``room`` it must be a ``Balancer`` that predicts."""
         self.config = config
         self.balancer = balancer
         self.eligible = eligible
@@ -205,20 +219,27 @@ class Admission:
         then find a slot, short steps and an empty prefill queue."""
         if not candidates:
             return ()
-        preds = self.balancer.predict(candidates, req)
+        preds = self.balancer.predict(candidates, req)  # type: ignore[union-attr]
         hold = self.config.hold_wait
-        if priority < DEFAULT_PRIORITY and self.clock() - self.top_seen.get(req.model, -1e18) < RESERVE_FOR:
+        if self.reserving(req.model, priority):
             # While interactive requests come, it must not slow their steps nor queue its prefill
             # in front of theirs.
             reserve = self.config.reserve
             fit = [b for b, p in zip(candidates, preds)
                    if p.wait <= hold and p.prefill_ahead <= LOW_PREFILL_AHEAD and (p.slots is None or p.free >= 1 + int(reserve * p.slots))]
             return fit
-        if any(p.wait <= hold for p in preds) or any(b.in_flight == 0 for b in candidates):
+        if any(p.wait <= hold for p in preds) or any(b.in_flight + b.remote_in_flight == 0 for b in candidates):
             # The policy chooses among all of them (it weighs the wait against speed and cache). An
-            # idle backend always takes work: the queue never waits on a prediction alone.
+            # idle backend always takes work: the queue never waits on a prediction alone. Idle
+            # counts the other replicas' requests too (the shared state): one that looks idle here
+            # but is full through them must not take a request that would queue in its engine.
             return candidates
         return ()
+
+    def reserving(self, model: str, priority: int) -> bool:
+        """A request of this class must leave ``reserve`` free: it is below interactive and
+        interactive requests for the model came lately."""
+        return priority < DEFAULT_PRIORITY and self.clock() - self.top_seen.get(model, -1e18) < RESERVE_FOR
 
     def _bind(self, candidates: Sequence[Backend], req: RequestInfo) -> Backend:
         b = self.balancer.pick(candidates, req)

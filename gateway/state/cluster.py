@@ -3,12 +3,14 @@
 - Load: every ``state.load_interval`` (and with each heartbeat) a replica writes its in-flight
   count per backend under a key that expires with ``state.lease_ttl`` (a dead replica's counts
   vanish on their own) and reads the others'; their sum lands in ``Backend.remote_in_flight``.
+  When it goes down on some backend, ``freed`` is called: the gateway queue may bind a waiter there.
 - Ejection: when this replica ejects a failing backend it publishes the backend id and how long;
   the others eject it for as long (an ejection they learn is not published again).
 - Directory: the one process that launches api_servers (worker 0 of ``--workers N``) publishes
-  the launched backends' addresses and models every second; followers add them to their pool
-  (calling them with the internal key the ``--workers`` parent handed every worker, never a key
-  read from Redis) and drop those that go.
+  the launched backends' addresses, models, role and batch slots every second (the followers'
+  queues and PD dispatch need the last two); followers add them to their pool (calling them with
+  the internal key the ``--workers`` parent handed every worker, never a key read from Redis) and
+  drop those that go.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 import orjson
 
@@ -30,10 +32,12 @@ DIRECTORY_TTL_MS = 5000
 
 class Cluster:
     def __init__(self, store: RedisStore, pool: Any, make_backend: Any, *, publish_backends: bool, follow_backends: bool,
-                 backend_key: str | None = None) -> None:
+                 backend_key: str | None = None, freed: Callable[[], None] | None = None) -> None:
         """pool: the routing layer's BackendPool; make_backend: its Backend class (this layer sits below routing);
-        backend_key: the launched backends' internal key (from the --workers parent)."""
+        backend_key: the launched backends' internal key (from the --workers parent);
+        freed: told when the other replicas' in-flight count on some backend went down."""
         self.store = store
+        self.freed = freed
         self.pool = pool
         self.make_backend = make_backend
         self.publish_backends = publish_backends
@@ -80,8 +84,15 @@ class Cluster:
                 log.debug("load exchange: %s", exc.__class__.__name__)
 
     def _apply_load(self, totals: dict[str, int]) -> None:
+        lower = False
         for b in self.pool:
-            b.remote_in_flight = totals.get(b.id, 0)
+            n = totals.get(b.id, 0)
+            lower = lower or n < b.remote_in_flight
+            b.remote_in_flight = n
+        if lower and self.freed is not None:
+            # Another replica's request finished: without this, a waiter here would wait for our own
+            # next completion or /metrics poll to see the slot.
+            self.freed()
 
     # -- ejection ----------------------------------------------------------------------------------
     def _on_change(self, b: Any) -> None:
@@ -133,7 +144,8 @@ class Cluster:
 
     async def _publish_directory(self) -> None:
         entries = {
-            b.id: orjson.dumps({"url": b.url, "models": sorted(b.models)})  # no key: anyone who reads Redis would have it
+            # no key: anyone who reads Redis would have it
+            b.id: orjson.dumps({"url": b.url, "models": sorted(b.models), "role": b.role, "slots": b.slots})
             for b in self.pool
             if b.origin == "launched"
         }
@@ -152,17 +164,39 @@ class Cluster:
             try:
                 entry = orjson.loads(v)
                 url, models = str(entry["url"]), frozenset(str(m) for m in entry["models"])
-            except (orjson.JSONDecodeError, KeyError, TypeError):
+                role, slots = _role(entry.get("role")), _slots(entry.get("slots"))
+            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
                 continue
             present.add(bid)
             b = self.pool.get(bid)
             if b is None:
-                self.pool.add(self.make_backend(id=bid, url=url, api_key=self.backend_key, models=models, static_models=True, origin="launched"))
+                self.pool.add(self.make_backend(id=bid, url=url, api_key=self.backend_key, models=models, static_models=True,
+                                                origin="launched", role=role, slots=slots))
                 self._learned.add(bid)
                 log.info("backend %s learned from the launching process", bid)
-            elif bid in self._learned and b.url != url:
-                b.url = url
+            elif bid in self._learned:
+                b.url, b.slots = url, slots
         for bid in list(self._learned - present):
             self.pool.remove(bid)
             self._learned.discard(bid)
             log.info("backend %s gone from the launching process", bid)
+
+
+ROLES = ("hybrid", "prefill", "decode")
+
+
+def _role(v: Any) -> str:
+    """A directory entry's role; an entry from an older worker 0 has none (hybrid)."""
+    if v is None:
+        return "hybrid"
+    if v not in ROLES:
+        raise ValueError("role")
+    return v
+
+
+def _slots(v: Any) -> int | None:
+    if v is None:
+        return None
+    if type(v) is not int or not 1 <= v <= 1_000_000:
+        raise ValueError("slots")
+    return v
