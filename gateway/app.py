@@ -128,7 +128,7 @@ class Gateway:
             from .state.cluster import Cluster
 
             self.cluster = Cluster(self.store, self.pool, Backend, publish_backends=bool(self.config.launch),  # type: ignore[arg-type]
-                                   follow_backends=self.follow_backends)
+                                   follow_backends=self.follow_backends, balancer=self.balancer)
             self.cluster.start()  # before the store starts: it subscribes to the cluster's channel too
         await self.store.start()
         self.keys_file.start()
