@@ -11,6 +11,7 @@ import secrets
 import subprocess
 import sys
 import threading
+import time
 
 import httpx
 import pytest
@@ -164,6 +165,53 @@ def test_a_prefix_first_routed_by_one_replica_is_routed_to_the_same_backend_by_t
         finally:
             a.stop()
             b.stop()
+    finally:
+        for s in sims:
+            s.stop()
+
+
+@pytest.mark.e2e
+def test_with_redis_down_each_replica_keeps_its_own_table_and_sharing_resumes_after(keys):
+    from redisd import RedisServer
+
+    sims = [Sim(MODEL, "--ttft", "0", "--tpot", "0", api_key="backend-secret") for _ in range(2)]
+    try:
+        backends = [{"url": s.url, "api_key": "backend-secret", "name": f"sim-{j}"} for j, s in enumerate(sims)]
+        with RedisServer() as redis:
+            cfg = gateway_config(keys, backends, state={"redis_url": redis.url, "prefix": "t" + secrets.token_hex(4), "timeout": 0.2})
+            a, b = GatewayServer(cfg), GatewayServer(cfg)
+            try:
+                def post(gw: GatewayServer, body: dict) -> float:
+                    t0 = time.monotonic()
+                    r = httpx.post(gw.url + "/v1/chat/completions", headers={"authorization": f"Bearer {keys.alice}"}, json=body, timeout=10)
+                    assert r.status_code == 200, r.text
+                    return time.monotonic() - t0
+
+                def held_by(gw: GatewayServer, body: dict) -> set[str]:
+                    bal, ks = gw.gateway.balancer, request_info(MODEL, body).prefix_keys
+                    return {bk.id for bk in gw.gateway.pool if bal.models(bk).prefixes.depth(ks, bal.clock()) == len(ks)}
+
+                redis.stop()
+                down = _body(0, "while redis is down")
+                assert post(a, down) < 2.0  # no Redis call holds a request up
+                wait_until(lambda: a.gateway.store.degraded, 5, 0.05, "a notices Redis is down")
+                assert len(held_by(a, down)) == 1  # a still remembers its own placement
+                assert post(a, _body(0, "again")) < 2.0
+                assert held_by(a, _body(0, "again")) == held_by(a, down)
+                assert held_by(b, down) == set()  # nothing reached b meanwhile
+
+                redis.start()
+                wait_until(lambda: not a.gateway.store.degraded and not b.gateway.store.degraded, 10, 0.05, "recovery")
+                up = _body(1, "after the restart")
+
+                def shared_again() -> bool:
+                    post(a, up)  # placed again (and published again) until b's subscription is back and hears it
+                    return len(held_by(a, up)) == 1 and held_by(b, up) == held_by(a, up)
+
+                wait_until(shared_again, 10, 0.1, "b learning a's placement again")
+            finally:
+                a.stop()
+                b.stop()
     finally:
         for s in sims:
             s.stop()
