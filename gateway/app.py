@@ -139,7 +139,7 @@ class Gateway:
 
             self.cluster = Cluster(self.store, self.pool, Backend, publish_backends=bool(self.config.launch),  # type: ignore[arg-type]
                                    follow_backends=self.follow_backends, backend_key=self.internal_key,
-                                   freed=self._wake_queues)
+                                   freed=self._wake_queues, balancer=self.balancer)
             self.cluster.start()  # before the store starts: it subscribes to the cluster's channel too
         await self.store.start()
         self.keys_file.start()

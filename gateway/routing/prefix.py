@@ -4,16 +4,17 @@ A request's prompt is read as one string: the text of its leading messages in or
 content), capped at ``MAX_PREFIX_CHARS``. The keys are chained hashes of that string cut at fixed
 boundaries (256 chars, then growing by √2), so key *i* identifies the first ``BOUNDARIES[i]`` chars.
 Two requests that share a system prompt or a document share their leading keys, whatever follows.
-The cost is one pass of Python's string hash over at most 8 KiB (about 2 µs) and one slice per key.
-
-Keys are only as stable as ``hash()`` (randomised per process): they are compared inside one
-gateway process. Sharing them across replicas would need a fixed hash (e.g. blake2b).
+The keys are a stable hash (blake2b, 8 bytes, over the UTF-8 text), the same in every process,
+so replicas share where a prefix was placed (``gateway/state/cluster.py``). Python's ``hash()`` is
+randomised per process and cannot be shared. The cost is one blake2b pass over at most 8 KiB
+(microseconds; measured in bench/routing/README.md) and one digest per key.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from typing import Any
+import hashlib
+from collections import OrderedDict, deque
+from typing import Any, Sequence
 
 CHARS_PER_TOKEN = 4
 MAX_PREFIX_CHARS = 8192
@@ -84,18 +85,28 @@ def scan_prompt(body: dict[str, Any]) -> tuple[str, int]:
 
 
 def prefix_keys(head: str) -> tuple[int, ...]:
-    """Chained hashes of ``head`` at each boundary it reaches; empty for a prompt under 256 chars."""
-    keys: list[int] = []
-    h = 0
-    start = 0
+    """Chained hashes of ``head`` at each boundary it reaches; empty for a prompt under 256 chars.
+
+    Key *i* is blake2b of the first ``BOUNDARIES[i]`` chars as a signed 64-bit int: the running
+    hash is updated block by block and read at each boundary, so the head is hashed once."""
     n = len(head)
+    if n < BOUNDARIES[0]:
+        return ()
+    keys: list[int] = []
+    h = _blake2b(digest_size=8)
+    # ASCII (the common case): bytes and chars line up, one encode and zero-copy slices.
+    data: Any = memoryview(head.encode("ascii")) if head.isascii() else None
+    start = 0
     for end in BOUNDARIES:
         if end > n:
             break
-        h = hash((h, head[start:end]))
-        keys.append(h)
+        h.update(data[start:end] if data is not None else head[start:end].encode("utf-8", "surrogatepass"))
+        keys.append(int.from_bytes(h.digest(), "little", signed=True))
         start = end
     return tuple(keys)
+
+
+_blake2b = hashlib.blake2b
 
 
 def key_tokens(depth: int) -> int:
@@ -116,7 +127,7 @@ class PrefixMemory:
     def __len__(self) -> int:
         return len(self._seen)
 
-    def add(self, keys: tuple[int, ...], now: float) -> None:
+    def add(self, keys: Sequence[int], now: float) -> None:
         seen = self._seen
         for k in keys:
             seen[k] = now
@@ -135,3 +146,37 @@ class PrefixMemory:
 
     def clear(self) -> None:
         self._seen.clear()
+
+
+class Placements:
+    """Prefix placements made by this process, waiting to be shared with the other replicas.
+
+    ``record`` is on the request path: one append to a bounded deque (the oldest placements drop
+    when nobody drains it, e.g. while Redis is down). ``drain`` (every ``state.load_interval``)
+    groups them by backend and drops repeated keys: a shared system prompt is sent once a batch.
+    """
+
+    __slots__ = ("_out",)
+
+    def __init__(self, capacity: int = 1024):
+        self._out: deque[tuple[str, tuple[int, ...]]] = deque(maxlen=capacity)
+
+    def __len__(self) -> int:
+        return len(self._out)
+
+    def record(self, backend_id: str, keys: tuple[int, ...]) -> None:
+        self._out.append((backend_id, keys))
+
+    def drain(self) -> dict[str, list[int]]:
+        """{backend id: its keys, each once, in the order they were placed}; empties the log."""
+        by: dict[str, dict[int, None]] = {}
+        out = self._out
+        while out:
+            bid, keys = out.popleft()
+            seen = by.get(bid)
+            if seen is None:
+                seen = by[bid] = {}
+            for k in keys:
+                seen.pop(k, None)  # re-placed: moves to the end, as in the backend's LRU
+                seen[k] = None
+        return {bid: list(keys) for bid, keys in by.items()}

@@ -4,6 +4,11 @@
   count per backend under a key that expires with ``state.lease_ttl`` (a dead replica's counts
   vanish on their own) and reads the others'; their sum lands in ``Backend.remote_in_flight``.
   When it goes down on some backend, ``freed`` is called: the gateway queue may bind a waiter there.
+- Prefix placements: with a balancer that keeps a prefix memory (``shares_prefixes``), the prefix
+  keys it sent to each backend since the last exchange ride on the same round trip, published on
+  ``<p>:prefixes``; the others add them to that backend's memory, so a prompt first routed by one
+  replica finds its cached prefix through any replica. Best effort: a message lost (Redis down, a
+  subscription reconnecting) only costs affinity, and each replica keeps its own table meanwhile.
 - Ejection: when this replica ejects a failing backend it publishes the backend id and how long;
   the others eject it for as long (an ejection they learn is not published again).
 - Directory: the one process that launches api_servers (worker 0 of ``--workers N``) publishes
@@ -28,18 +33,22 @@ log = logging.getLogger("gateway.state.cluster")
 
 DIRECTORY_EVERY = 1.0
 DIRECTORY_TTL_MS = 5000
+MAX_KEYS_PER_BACKEND = 4096  # in one received placements message: a prefix memory holds no more
 
 
 class Cluster:
     def __init__(self, store: RedisStore, pool: Any, make_backend: Any, *, publish_backends: bool, follow_backends: bool,
-                 backend_key: str | None = None, freed: Callable[[], None] | None = None) -> None:
-        """pool: the routing layer's BackendPool; make_backend: its Backend class (this layer sits below routing);
-        backend_key: the launched backends' internal key (from the --workers parent);
-        freed: told when the other replicas' in-flight count on some backend went down."""
+                 backend_key: str | None = None, freed: Callable[[], None] | None = None, balancer: Any = None) -> None:
+        """pool: the routing layer's BackendPool; make_backend: its Backend class; balancer: its policy
+        (this layer sits below routing); backend_key: the launched backends' internal key (from the
+        --workers parent); freed: told when the other replicas' in-flight count on some backend went down."""
         self.store = store
         self.freed = freed
         self.pool = pool
         self.make_backend = make_backend
+        self.balancer = balancer if balancer is not None and balancer.shares_prefixes else None
+        self.prefixes = f"{store.cfg.prefix}:prefixes"
+        self.placements: Any = None  # the balancer's outbox (routing.prefix.Placements)
         self.publish_backends = publish_backends
         self.follow_backends = follow_backends
         self.backend_key = backend_key
@@ -55,6 +64,9 @@ class Cluster:
         self.store.local_load = lambda: {b.id: b.in_flight for b in self.pool if b.in_flight > 0}
         self.store.on_load = self._apply_load
         self.store.handlers[self.events] = self._on_event
+        if self.balancer is not None:
+            self.placements = self.balancer.share_placements()
+            self.store.handlers[self.prefixes] = self._on_placements
         self.pool.on_change(self._on_change)
         loop = asyncio.get_running_loop()
         self._load_task = loop.create_task(self._load_loop())
@@ -77,7 +89,7 @@ class Cluster:
         while True:
             await asyncio.sleep(self.store.cfg.load_interval)
             try:
-                await self.store.exchange_load()
+                await self.store.exchange_load(self._placements_message())
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -93,6 +105,27 @@ class Cluster:
             # Another replica's request finished: without this, a waiter here would wait for our own
             # next completion or /metrics poll to see the slot.
             self.freed()
+
+    # -- prefix placements ------------------------------------------------------------------------------
+    def _placements_message(self) -> tuple[str, bytes] | None:
+        if self.placements is None or not len(self.placements):
+            return None
+        return self.prefixes, orjson.dumps({"from": self.store.replica, "p": self.placements.drain()})
+
+    def _on_placements(self, data: bytes | str) -> None:
+        try:
+            msg = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return
+        if not isinstance(msg, dict) or msg.get("from") == self.store.replica or not isinstance(msg.get("p"), dict):
+            return
+        for bid, keys in msg["p"].items():
+            b = self.pool.get(bid)
+            if b is None or not isinstance(keys, list):
+                continue  # a backend this replica does not have (yet)
+            keys = [k for k in keys[-MAX_KEYS_PER_BACKEND:] if type(k) is int]
+            if keys:
+                self.balancer.learn_placements(b, keys)
 
     # -- ejection ----------------------------------------------------------------------------------
     def _on_change(self, b: Any) -> None:

@@ -598,9 +598,11 @@ class RedisStore(StateStore):
             except Exception:
                 pass
 
-    async def exchange_load(self) -> None:
+    async def exchange_load(self, publish: tuple[str, bytes] | None = None) -> None:
         """Publish this replica's in-flight counts and read the others' (more often than the heartbeat:
-        a balancer that sees the others' requests a second late sends them all to the same backend)."""
+        a balancer that sees the others' requests a second late sends them all to the same backend).
+        ``publish``: (channel, message) sent in the same round trip (the cluster's prefix placements);
+        dropped while Redis is down."""
         if self.local_load is None or self._closing or self._down():
             return
         load_key = f"{self._p}:load:{self.replica}"
@@ -610,6 +612,8 @@ class RedisStore(StateStore):
         if local:
             pipe.hset(load_key, mapping=local)
             pipe.pexpire(load_key, int(self.cfg.lease_ttl * 1000))
+        if publish is not None:
+            pipe.publish(*publish)
         pipe.zrange(f"{self._p}:replicas", 0, -1)
         res = await self._call("load", pipe.execute())
         others = [m.decode() if isinstance(m, bytes) else m for m in res[-1]]

@@ -9,7 +9,10 @@ about a backend that left the pool.
 
 Capability flags say what a policy reads, so nobody pays for what it ignores:
 - ``reads_prompt``: ``describe`` scans the body (token estimate, prefix keys);
-- ``reads_signals``: the gateway polls the backends' /metrics and calls ``observe_signals``.
+- ``reads_signals``: the gateway polls the backends' /metrics and calls ``observe_signals``;
+- ``shares_prefixes``: it keeps a prefix memory per backend; with a shared store the cluster calls
+  ``share_placements`` (this replica's placements to publish) and calls ``learn_placements`` with the
+  other replicas'.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any, Callable, Generic, Sequence, TypeVar
 
 from ...config.balancer import BalancerConfig
 from ..pool import Backend
-from ..prefix import BOUNDARIES, CHARS_PER_TOKEN, prefix_keys, scan_prompt
+from ..prefix import BOUNDARIES, CHARS_PER_TOKEN, Placements, prefix_keys, scan_prompt
 from ..signals import Signals
 
 
@@ -115,11 +118,13 @@ class Balancer:
     reads_prompt = False  # weighs work: needs the prompt scanned (token estimate, prefix keys)
     reads_signals = False  # reads the backends' /metrics gauges
     predicts = False  # answers ``predict`` (the gateway queue needs it to hold requests back)
+    shares_prefixes = False  # keeps where prefixes were placed; replicas exchange them (state/cluster.py)
 
     def __init__(self, config: BalancerConfig | None = None, *, clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None):
         self.config = config or BalancerConfig()
         self.clock = clock
         self.rng = rng or random.Random()
+        self.placements: Placements | None = None  # set by share_placements when there are replicas to tell
 
     def describe(self, model: str, body: dict[str, Any]) -> RequestInfo:
         """What the policy needs to know of one request."""
@@ -148,6 +153,15 @@ class Balancer:
 
     def forget(self, backend_id: str) -> None:
         """The backend left the pool: drop what is kept about it."""
+
+    def share_placements(self) -> Placements:
+        """From now on record each placement for the other replicas; returns the log the cluster drains."""
+        if self.placements is None:
+            self.placements = Placements()
+        return self.placements
+
+    def learn_placements(self, backend: Backend, keys: Sequence[int]) -> None:
+        """Another replica sent requests with these prefix keys to ``backend`` (``shares_prefixes``)."""
 
     def _least(self, candidates: Sequence[Backend], score: Callable[[Backend], float]) -> Backend:
         """The lowest score, ties at random."""

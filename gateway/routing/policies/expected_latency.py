@@ -116,6 +116,7 @@ class ExpectedLatencyBalancer(Balancer):
     reads_prompt = True
     reads_signals = True
     predicts = True
+    shares_prefixes = True
     SIGMA0 = 0.03  # prior seconds per token of a lone sequence, before any backend has history
     GAMMA0 = 0.01  # prior: each sequence in the batch adds 1% to a step
     RHO0 = 0.005  # prior: prefilling a token costs 0.5% of a decode step
@@ -155,6 +156,10 @@ class ExpectedLatencyBalancer(Balancer):
 
     def forget(self, backend_id: str) -> None:
         self.models.forget(backend_id)
+
+    def learn_placements(self, backend: Backend, keys: Sequence[int]) -> None:
+        # Only the prefix memory: the other replica's load arrives as remote_in_flight.
+        self._model(backend).prefixes.add(keys, self.clock())
 
     @property
     def rho(self) -> float:
@@ -373,6 +378,8 @@ class ExpectedLatencyBalancer(Balancer):
             m.if_max = len(m.inflight)
         if req.prefix_keys:
             m.prefixes.add(req.prefix_keys, now)
+            if self.placements is not None:
+                self.placements.record(backend.id, req.prefix_keys)
 
     def first_byte(self, backend: Backend, req: RequestInfo, ttft: float) -> None:
         m = self._model(backend)

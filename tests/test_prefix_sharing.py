@@ -1,0 +1,217 @@
+"""Prefix placements shared across replicas: a stable prefix hash, the placements log, the merge into
+the prefix memory, and two gateway replicas on one real redis-server routing a prefix alike."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import secrets
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from gateway.config.balancer import BalancerConfig
+from gateway.routing.policies import ExpectedLatencyBalancer, RequestInfo, make_balancer, request_info
+from gateway.routing.pool import Backend
+from gateway.routing.prefix import BOUNDARIES, MAX_PREFIX_CHARS, Placements, prefix_keys
+from support import GatewayServer, Sim, gateway_config, wait_until
+
+MODEL = "test-model"
+
+
+def _blake(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
+
+
+# -- the stable hash ------------------------------------------------------------------------------------
+
+@pytest.mark.unit
+@pytest.mark.parametrize("head", ["a" * MAX_PREFIX_CHARS, ("é€ " * 3000)[:MAX_PREFIX_CHARS], "x" * 700, "y" * 255])
+def test_prefix_key_i_is_blake2b_of_the_first_boundary_i_chars(head):
+    keys = prefix_keys(head)
+    want = tuple(_blake(head[:end].encode("utf-8")) for end in BOUNDARIES if end <= len(head))
+    assert keys == want
+    assert len(keys) == sum(1 for end in BOUNDARIES if end <= len(head))
+
+
+@pytest.mark.unit
+def test_prefix_keys_are_the_same_in_another_process_with_another_string_hash_seed():
+    heads = ["s" * 3000, "système " * 500, "q" * MAX_PREFIX_CHARS]
+    code = "import json, sys; from gateway.routing.prefix import prefix_keys; print(json.dumps([prefix_keys(h) for h in json.load(sys.stdin)]))"
+    out = {}
+    for seed in ("1", "2"):
+        proc = subprocess.run([sys.executable, "-c", code], input=json.dumps(heads), capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "PYTHONHASHSEED": seed}, check=True)
+        out[seed] = [tuple(k) for k in json.loads(proc.stdout)]
+    assert out["1"] == out["2"] == [prefix_keys(h) for h in heads]
+
+
+# -- the placements log and the merge -------------------------------------------------------------------
+
+@pytest.mark.unit
+def test_placements_group_by_backend_once_per_key_and_stay_bounded():
+    log = Placements(capacity=3)
+    k1, k2 = prefix_keys("a" * 600), prefix_keys("b" * 600)
+    log.record("x", k1)
+    log.record("y", k2)
+    log.record("x", k1)  # the same system prompt again: sent once
+    assert log.drain() == {"x": list(k1), "y": list(k2)}
+    assert len(log) == 0 and log.drain() == {}
+    for i in range(5):
+        log.record("x", (i,))
+    assert log.drain() == {"x": [2, 3, 4]}  # the oldest dropped when nobody drains
+
+
+def _balancer(seed: int) -> ExpectedLatencyBalancer:
+    b = make_balancer("min_expected_latency", BalancerConfig(slow_start=0.0), rng=random.Random(seed))
+    assert isinstance(b, ExpectedLatencyBalancer)
+    return b
+
+
+def _fleet() -> list[Backend]:
+    return [Backend(id=i, url=f"http://{i}.invalid", models=frozenset({"m"}), healthy=True) for i in ("a", "b", "c", "d")]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("seed", range(5))
+def test_placements_learnt_from_another_replica_draw_its_prefix_to_the_same_backend(seed):
+    keys = prefix_keys("shared document " * 200)
+    one, other = _balancer(seed), _balancer(seed + 100)
+    log = one.share_placements()
+    fleet_one, fleet_other = _fleet(), _fleet()
+    r = RequestInfo(model="m", prompt_tokens=900, max_tokens=50, prefix_keys=keys)
+    first = one.pick(fleet_one, r)
+    one.dispatched(first, r)
+    assert other.placements is None  # nothing recorded where nobody asked for it
+    sent = log.drain()
+    assert sent == {first.id: list(keys)}
+    by_id = {b.id: b for b in fleet_other}
+    for bid, ks in sent.items():
+        other.learn_placements(by_id[bid], ks)
+    picks = {other.pick(fleet_other, RequestInfo(model="m", prompt_tokens=900, max_tokens=50, prefix_keys=keys)).id for _ in range(10)}
+    assert picks == {first.id}
+    assert len(other.models(by_id[first.id]).inflight) == 0  # a placement is no load: that comes as remote_in_flight
+
+
+@pytest.mark.unit
+def test_policies_without_a_prefix_memory_share_nothing():
+    for name in ("least_in_flight", "round_robin", "random", "least_load"):
+        assert make_balancer(name).shares_prefixes is False
+    assert make_balancer("min_expected_latency").shares_prefixes is True
+
+
+# -- two replicas, one Redis -----------------------------------------------------------------------------
+
+def _body(i: int, question: str) -> dict:
+    # One document per i (a few KiB: every prefix key), then a question that differs between the replicas.
+    doc = f"document {i}: " + f"paragraph {i} of a long shared context. " * 120
+    return {"model": MODEL, "max_tokens": 4, "messages": [{"role": "system", "content": doc}, {"role": "user", "content": question}]}
+
+
+def _served_by(sims: list[Sim], marker: str) -> list[int]:
+    return [j for j, s in enumerate(sims) if any(marker in json.dumps(r) for r in s.requests())]
+
+
+@pytest.mark.e2e
+def test_a_prefix_first_routed_by_one_replica_is_routed_to_the_same_backend_by_the_other(keys, redis_server):
+    n = 4
+    sims = [Sim(MODEL, "--ttft", "0.5", "--tpot", "0", api_key="backend-secret") for _ in range(n)]
+    try:
+        backends = [{"url": s.url, "api_key": "backend-secret", "name": f"sim-{j}"} for j, s in enumerate(sims)]
+        cfg = gateway_config(keys, backends, state={"redis_url": redis_server.url, "prefix": "t" + secrets.token_hex(4), "lease_ttl": 3})
+        a, b = GatewayServer(cfg), GatewayServer(cfg)
+        try:
+            def post(gw: GatewayServer, body: dict) -> None:
+                r = httpx.post(gw.url + "/v1/chat/completions", headers={"authorization": f"Bearer {keys.alice}"}, json=body, timeout=30)
+                assert r.status_code == 200, r.text
+
+            # Replica a places n documents at once: with each in flight it spreads them over the backends.
+            threads = [threading.Thread(target=post, args=(a, _body(i, f"question-a-{i}"))) for i in range(n)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            placed = {}
+            for i in range(n):
+                served = _served_by(sims, f"question-a-{i}")
+                assert len(served) == 1
+                placed[i] = served[0]
+            assert len(set(placed.values())) > 1  # spread: b cannot match them all by picking one backend
+
+            # b learns them through Redis (published with the next load exchange, 50 ms)...
+            bal = b.gateway.balancer
+            pool = b.gateway.pool
+            want = {}  # the keys the two questions on document i share (the document's)
+            for i in range(n):
+                ka = request_info(MODEL, _body(i, f"question-a-{i}")).prefix_keys
+                kb = request_info(MODEL, _body(i, f"question-b-{i}")).prefix_keys
+                want[i] = kb[:next((j for j, (x, y) in enumerate(zip(ka, kb)) if x != y), len(kb))]
+                assert len(want[i]) >= 5
+
+            def learnt() -> bool:
+                return all(bal.models(pool.get(f"sim-{placed[i]}")).prefixes.depth(want[i], bal.clock()) == len(want[i]) for i in range(n))
+
+            wait_until(learnt, 3, 0.02, "b learning a's placements")
+            # ...and sends each document's next question where a put the document.
+            for i in range(n):
+                post(b, _body(i, f"question-b-{i}"))
+                assert _served_by(sims, f"question-b-{i}") == [placed[i]], f"document {i}"
+        finally:
+            a.stop()
+            b.stop()
+    finally:
+        for s in sims:
+            s.stop()
+
+
+@pytest.mark.e2e
+def test_with_redis_down_each_replica_keeps_its_own_table_and_sharing_resumes_after(keys):
+    from redisd import RedisServer
+
+    sims = [Sim(MODEL, "--ttft", "0", "--tpot", "0", api_key="backend-secret") for _ in range(2)]
+    try:
+        backends = [{"url": s.url, "api_key": "backend-secret", "name": f"sim-{j}"} for j, s in enumerate(sims)]
+        with RedisServer() as redis:
+            cfg = gateway_config(keys, backends, state={"redis_url": redis.url, "prefix": "t" + secrets.token_hex(4), "timeout": 0.2})
+            a, b = GatewayServer(cfg), GatewayServer(cfg)
+            try:
+                def post(gw: GatewayServer, body: dict) -> float:
+                    t0 = time.monotonic()
+                    r = httpx.post(gw.url + "/v1/chat/completions", headers={"authorization": f"Bearer {keys.alice}"}, json=body, timeout=10)
+                    assert r.status_code == 200, r.text
+                    return time.monotonic() - t0
+
+                def held_by(gw: GatewayServer, body: dict) -> set[str]:
+                    bal, ks = gw.gateway.balancer, request_info(MODEL, body).prefix_keys
+                    return {bk.id for bk in gw.gateway.pool if bal.models(bk).prefixes.depth(ks, bal.clock()) == len(ks)}
+
+                redis.stop()
+                down = _body(0, "while redis is down")
+                assert post(a, down) < 2.0  # no Redis call holds a request up
+                wait_until(lambda: a.gateway.store.degraded, 5, 0.05, "a notices Redis is down")
+                assert len(held_by(a, down)) == 1  # a still remembers its own placement
+                assert post(a, _body(0, "again")) < 2.0
+                assert held_by(a, _body(0, "again")) == held_by(a, down)
+                assert held_by(b, down) == set()  # nothing reached b meanwhile
+
+                redis.start()
+                wait_until(lambda: not a.gateway.store.degraded and not b.gateway.store.degraded, 10, 0.05, "recovery")
+                up = _body(1, "after the restart")
+
+                def shared_again() -> bool:
+                    post(a, up)  # placed again (and published again) until b's subscription is back and hears it
+                    return len(held_by(a, up)) == 1 and held_by(b, up) == held_by(a, up)
+
+                wait_until(shared_again, 10, 0.1, "b learning a's placement again")
+            finally:
+                a.stop()
+                b.stop()
+    finally:
+        for s in sims:
+            s.stop()
