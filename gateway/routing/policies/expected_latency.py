@@ -74,7 +74,13 @@ class ExpectedLatencyBalancer(Balancer):
                + kv_penalty · k_b / (1 - k_b)
 
     - Q_b: uncached prompt tokens of b's requests still in prefill. P_b(r): r's prompt tokens
-      minus the prefix b served within ``affinity_ttl`` (what its prefix cache will hit).
+      minus the prefix b served within ``affinity_ttl`` and still holds (what its prefix cache will
+      hit). The engine's prefix cache is an LRU in the KV memory its sequences leave free, so on a
+      busy backend a prefix goes long before the TTL: the memory of b's prefixes (``PrefixMemory``)
+      drops the oldest past that room (KV capacity, learnt from /metrics, less what b's sequences
+      reserve), as the engine does. Without it the policy counted on documents that a full batch
+      of long requests had pushed out (bench/routing/README.md: prefix-cache hit 59.9 % -> 61.4 %
+      on the heterogeneous fleet).
     - rem_j: j's expected output (max_tokens × the observed fill ratio, or the running mean) less
       what it decoded since its first byte. Work is counted in tokens, not requests.
     - j runs over this gateway's requests on b plus ext_b others': ext_b = running + waiting from
@@ -94,7 +100,10 @@ class ExpectedLatencyBalancer(Balancer):
       unhealth looks slower than it is, so it fills up gradually instead of taking the queue;
       relative to the candidates' highest ramp, so backends that came up together (a gateway
       start) are taken as they are.
-    - k_b: the scraped KV-cache usage (SGLang's term), ignored when the scrape is stale.
+    - k_b: the scraped KV-cache usage (SGLang's term), ignored when the scrape is stale, and when
+      b's batch slots are known: then W_b and the queue term predict the wait for a slot or KV room
+      themselves, and the penalty, from a gauge up to 10 s old, would count that load twice and
+      keep requests off the busiest (often fastest) backend for no wait it will cause.
 
     Learning, from the responses that pass through (usage, stream timing):
     - σ_b = Σλ y / Σλ (1 + γ·n̄) over b's completions, λ = 0.95 a completion; y = seconds per
@@ -191,6 +200,14 @@ class ExpectedLatencyBalancer(Balancer):
         # look busy to the queue (hold_wait) and the TTFT bound.
         self._top = max((self._ramp(c, now) for c in candidates), default=1.0)
 
+    def _room(self, b: Backend, m: BackendModel, model: str) -> float | None:
+        """Tokens b's prefix cache can hold now: the KV cache less what its sequences reserve (ours,
+        and the others' at the mean request size); None while the KV capacity is unknown."""
+        if m.kv_capacity is None:
+            return None
+        ext = max(m.ext, float(b.remote_in_flight))
+        return max(0.0, m.kv_capacity - m.kv - ext * self._sizes(model).tokens_avg)
+
     # -- the estimate -----------------------------------------------------------------------------
     def expected_latency(self, b: Backend, req: RequestInfo, now: float, fleet: float, depth: int | None = None) -> tuple[float, int]:
         """(L_b(r), prefix depth b holds for r); ``req.out_tokens`` must be set."""
@@ -260,7 +277,7 @@ class ExpectedLatencyBalancer(Balancer):
         lat /= ramp
         ttft /= ramp
         sig = m.signals
-        if sig is not None and self.config.kv_penalty and sig.fresh(now):
+        if sig is not None and self.config.kv_penalty and sig.fresh(now) and m.slots is None:
             k = min(sig.kv_usage, 0.99)
             pen = self.config.kv_penalty * k / (1.0 - k)
             lat += pen
@@ -371,8 +388,9 @@ class ExpectedLatencyBalancer(Balancer):
         m.inflight[id(req)] = req
         if len(m.inflight) > m.if_max:
             m.if_max = len(m.inflight)
-        if req.prefix_keys:
-            m.prefixes.add(req.prefix_keys, now)
+        # Every prompt enters b's prefix cache, a shared one or not: with the room known, the memory
+        # drops what the engine's LRU would.
+        m.prefixes.add(req.prefix_keys, now, prompt, self._room(backend, m, req.model))
 
     def first_byte(self, backend: Backend, req: RequestInfo, ttft: float) -> None:
         m = self._model(backend)
