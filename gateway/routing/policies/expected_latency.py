@@ -93,7 +93,7 @@ class ExpectedLatencyBalancer(Balancer):
       total latency added to the backend (r's own plus the slowdown and queueing it causes) to
       the sequences there now. The default 1.5 also counts, roughly, those that join b while r
       runs (the batch refills as it drains), which S and n_b do not see; over 8 seeds of the
-      replay it beats 1 on median, mean, TTFT and hit rate, for +1% at p99.
+      replay it beats 1 on median, mean, TTFT and hit rate, for +2% at p99.
       q_b = how many would queue behind a full batch, r included. U_b(r) = r's uncached prompt
       tokens on b: its prefill runs inside one step of the whole batch, so each of the n_b sequences
       decoding there (at most slots_b) waits for it. This is what a prefix-cache hit saves the others,
