@@ -304,6 +304,45 @@ def _kv_pressure(bal, bs, clock):
     return req()
 
 
+def _kv_gauge_without_known_slots(bal, bs, clock):
+    set_sigma(bal, bs["a"], 0.01)
+    for b in ("b", "c"):
+        set_sigma(bal, bs[b], 0.012)
+    bal.observe_signals(bs["a"], Signals(kv_usage=0.97, scraped_at=clock.t), changed=False)
+    return req()
+
+
+def _kv_gauge_with_known_slots(bal, bs, clock):
+    # the same, but the model knows a's batch slots: its own wait terms see that a has room now
+    for b in bs.values():
+        bal._model(b).slots = 32
+    return _kv_gauge_without_known_slots(bal, bs, clock)
+
+
+def _prefix_served(bal, bs, clock, kv_capacity):
+    keys = prefix_keys("s" * 2000)
+    for b in ("b", "c"):
+        load(bal, bs[b], 1, out=10)
+    bal._model(bs["a"]).kv_capacity = kv_capacity
+    r = req(prompt=600, keys=keys)
+    bal.dispatched(bs["a"], r)
+    bal.completed(bs["a"], r, Outcome(status=200, ok=True))
+    for text in "xyz":  # three distinct 600-token prompts after it
+        other = req(prompt=600, keys=prefix_keys(text * 2400))
+        bal.dispatched(bs["a"], other)
+        bal.completed(bs["a"], other, Outcome(status=200, ok=True))
+    load(bal, bs["a"], 2, out=10)  # a: slightly busier than b and c
+    return req(prompt=600, keys=keys)
+
+
+def _prefix_kept_in_a_roomy_cache(bal, bs, clock):
+    return _prefix_served(bal, bs, clock, 100_000.0)
+
+
+def _prefix_pushed_out_of_a_small_cache(bal, bs, clock):
+    return _prefix_served(bal, bs, clock, 1500.0)  # 2,400 prompt tokens went through 1,500 of room
+
+
 def _stale_kv_is_ignored(bal, bs, clock):
     bal.observe_signals(bs["a"], Signals(kv_usage=0.97, scraped_at=clock.t - 60), changed=False)
     set_sigma(bal, bs["a"], 0.01)
@@ -360,6 +399,10 @@ def _others_load_from_metrics(bal, bs, clock):
         (_returning_backend_ramps_up, "a|b"),
         (_returned_backend_after_the_window_gets_work, "c"),
         (_kv_pressure, "b"),
+        (_kv_gauge_without_known_slots, "b|c"),
+        (_kv_gauge_with_known_slots, "a"),
+        (_prefix_kept_in_a_roomy_cache, "a"),
+        (_prefix_pushed_out_of_a_small_cache, "b|c"),
         (_stale_kv_is_ignored, "a"),
         (_full_batch_means_waiting, "b"),
         (_kv_cache_full, "b"),
@@ -624,8 +667,33 @@ def test_prefix_memory_is_bounded_and_forgets_after_its_ttl():
     assert key_tokens(3) == BOUNDARIES[2] // 4
     assert mem.depth(keys, now=11.0) == 0
     mem.add(keys, now=20.0)
-    assert len(mem) == 8  # the oldest keys were dropped
-    assert mem.depth(keys, now=20.0) == len(keys)
+    assert len(mem) == 8  # the oldest keys were dropped: a chain's deepest, as the engine drops them
+    assert mem.depth(keys, now=20.0) == 8
+
+
+def test_prefix_memory_drops_what_the_engines_lru_evicts_past_the_cache_room():
+    mem = PrefixMemory()
+    doc = prefix_keys("d" * 2000)  # 6 keys: 1448 chars, 362 tokens
+    other = prefix_keys("e" * 2000)
+    assert len(doc) == 6 and key_tokens(6) == 362
+    mem.add(doc, now=0.0, prompt_tokens=400, room=1000)  # the 38 tokens past the last key count too
+    mem.add(other, now=1.0, prompt_tokens=500, room=1000)
+    assert mem.volume == pytest.approx(900)
+    assert (mem.depth(doc, 1.0), mem.depth(other, 1.0)) == (6, 6)
+    # 300 more tokens: 200 must go, the oldest first, and a chain loses its tail before its head
+    mem.add((), now=2.0, prompt_tokens=300, room=1000)
+    assert mem.volume <= 1000
+    assert (mem.depth(doc, 2.0), mem.depth(other, 2.0)) == (4, 6)
+    # a prefix used again is the newest: the next eviction takes the other one
+    mem.add(doc, now=3.0, prompt_tokens=400, room=1000)
+    mem.add((), now=4.0, prompt_tokens=300, room=1000)
+    assert mem.depth(doc, 4.0) == 6 and mem.depth(other, 4.0) < 6
+    # a KV cache filled by running sequences leaves no room: every prefix is gone
+    mem.add((), now=5.0, prompt_tokens=10, room=0)
+    assert (mem.depth(doc, 5.0), mem.depth(other, 5.0), len(mem)) == (0, 0, 0)
+    # unknown room: only the TTL and the entry bound evict, and tails are not tracked
+    mem.add(doc, now=6.0, prompt_tokens=400)
+    assert mem.depth(doc, 6.0) == 6 and len(mem) == 6
 
 
 def test_only_policies_that_weigh_work_scan_the_prompt():

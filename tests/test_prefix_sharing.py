@@ -55,17 +55,17 @@ def test_prefix_keys_are_the_same_in_another_process_with_another_string_hash_se
 # -- the placements log and the merge -------------------------------------------------------------------
 
 @pytest.mark.unit
-def test_placements_group_by_backend_once_per_key_and_stay_bounded():
+def test_placements_group_by_backend_once_per_chain_and_stay_bounded():
     log = Placements(capacity=3)
     k1, k2 = prefix_keys("a" * 600), prefix_keys("b" * 600)
     log.record("x", k1)
     log.record("y", k2)
     log.record("x", k1)  # the same system prompt again: sent once
-    assert log.drain() == {"x": list(k1), "y": list(k2)}
+    assert log.drain() == {"x": [list(k1)], "y": [list(k2)]}
     assert len(log) == 0 and log.drain() == {}
     for i in range(5):
         log.record("x", (i,))
-    assert log.drain() == {"x": [2, 3, 4]}  # the oldest dropped when nobody drains
+    assert log.drain() == {"x": [[2], [3], [4]]}  # the oldest dropped when nobody drains
 
 
 def _balancer(seed: int) -> ExpectedLatencyBalancer:
@@ -90,7 +90,7 @@ def test_placements_learnt_from_another_replica_draw_its_prefix_to_the_same_back
     one.dispatched(first, r)
     assert other.placements is None  # nothing recorded where nobody asked for it
     sent = log.drain()
-    assert sent == {first.id: list(keys)}
+    assert sent == {first.id: [list(keys)]}
     by_id = {b.id: b for b in fleet_other}
     for bid, ks in sent.items():
         other.learn_placements(by_id[bid], ks)
@@ -215,3 +215,21 @@ def test_with_redis_down_each_replica_keeps_its_own_table_and_sharing_resumes_af
     finally:
         for s in sims:
             s.stop()
+
+
+@pytest.mark.unit
+def test_many_learnt_chains_on_one_backend_each_keep_their_own_depth():
+    # A drained message holds many prompts for one backend: each chain is sized by its own depth
+    # (a flat key list longer than BOUNDARIES would overrun the size-aware memory).
+    docs = [prefix_keys(f"document {i} " * 900) for i in range(40)]
+    assert all(len(k) == len(BOUNDARIES) for k in docs)
+    one, other = _balancer(0), _balancer(1)
+    log = one.share_placements()
+    target = _fleet()[2]
+    for keys in docs:
+        log.record(target.id, keys)
+    sent = log.drain()
+    assert list(sent) == [target.id] and len(sent[target.id]) == 40
+    other.learn_placements(target, sent[target.id])
+    memory = other.models(target).prefixes
+    assert all(memory.depth(k, other.clock()) == len(k) for k in docs)

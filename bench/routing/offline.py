@@ -343,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=120.0)
     ap.add_argument("--seeds", default="7")
     ap.add_argument("--shared", type=float, default=0.5)
+    ap.add_argument("--mean", action="store_true", help="per fleet and load, also print each policy's figures averaged over --seeds")
     ap.add_argument("--mixed", action="store_true", help="interactive short requests (key ui) at --loads, alone and with a batch flood (key bulk) at 100%%")
     args = ap.parse_args(argv)
     params = SimParams()
@@ -365,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     for fleet in args.fleets.split(","):
         speeds = FLEETS[fleet]
         for load in (float(x) for x in args.loads.split(",")):
+            runs: dict[str, list[dict]] = {}
             for seed in (int(s) for s in args.seeds.split(",")):
                 cap = fleet_capacity(params, speeds, seed, "m", args.shared)
                 trace = make_trace(seed, rate=load * cap, duration=args.duration, model="m", shared_share=args.shared)
@@ -372,10 +374,17 @@ def main(argv: list[str] | None = None) -> int:
                 base = None
                 for policy in args.policies.split(","):
                     r = replay(policy, speeds, trace, params, cfg, seed)
+                    runs.setdefault(policy, []).append(r)
                     base = base or r
                     print(f"  {policy:<36} lat mean {r['lat_mean']:6.2f} p50 {r['lat_p50']:6.2f} p99 {r['lat_p99']:6.2f} "
                           f"({100 * (r['lat_p99'] / base['lat_p99'] - 1):+4.0f}%)  ttft mean {r['ttft_mean']:.3f} p50 {r['ttft_p50']:.3f} "
                           f"p99 {r['ttft_p99']:.3f}  hit {r['hit_rate']:.1%}  refused {r['refused']} (p99 {r['refusal_p99']:.2f}s)  prompt share {r['share']}")
+            if args.mean:
+                print(f"\n{fleet} {load:.0%}, mean over seeds {args.seeds}:")
+                print(f"  {'policy':<44} lat mean  lat p50  lat p99  ttft mean  ttft p99    hit")
+                for policy, rs in runs.items():
+                    m = {k: statistics.fmean(r[k] for r in rs) for k in ("lat_mean", "lat_p50", "lat_p99", "ttft_mean", "ttft_p99", "hit_rate")}
+                    print(f"  {policy:<44} {m['lat_mean']:8.3f} {m['lat_p50']:8.3f} {m['lat_p99']:8.3f} {m['ttft_mean']:10.3f} {m['ttft_p99']:9.3f} {m['hit_rate']:6.1%}")
     return 0
 
 

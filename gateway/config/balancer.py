@@ -68,7 +68,7 @@ class BalancerConfig:
     affinity_ttl: float = 600.0  # seconds after which a served prefix is assumed evicted from the backend's cache
     slow_start: float = 30.0  # seconds over which a backend back from ejection or unhealth ramps up to full share; 0 turns it off
     kv_penalty: float = 0.15  # seconds × k/(1-k), k = the backend's KV-cache usage (as in SGLang's least_load)
-    others_weight: float = 1.0  # how much the delay a request adds to the others on a backend counts against it (0: none)
+    others_weight: float = 1.5  # how much the delay a request adds to the others on a backend counts against it (0: none; above 1 for the requests that join the batch while it runs, which the estimate does not see)
     objective: str = "e2e_plus_ttft"
     ttft_weight: float = 8.0  # e2e_plus_ttft: seconds of end-to-end latency one second of TTFT is worth
     ttft_slack: float = 0.5  # e2e_within_ttft: seconds a request may start later than on the backend that would start it first, if that finishes it sooner

@@ -115,37 +115,61 @@ def key_tokens(depth: int) -> int:
 
 
 class PrefixMemory:
-    """The prefix keys one backend served recently: a bounded LRU, so its size never grows with traffic."""
+    """The prefix keys one backend served recently, in the order of their last use, as the engine's
+    prefix cache holds them: an LRU in the KV memory its running sequences leave free.
 
-    __slots__ = ("capacity", "ttl", "_seen")
+    Each key stands for its segment of the prompt (the tokens between its boundary and the one
+    before) and each prompt's text past its last key for one entry that is never used again (the
+    question after a shared document). When a prompt is cached (``add``), the entries past ``room``
+    tokens, oldest first, leave the memory as the engine evicts them; the oldest go after ``ttl``
+    too. ``capacity`` bounds the entries, so the memory never grows with traffic."""
+
+    __slots__ = ("capacity", "ttl", "_seen", "volume", "_tails")
 
     def __init__(self, capacity: int = 4096, ttl: float = 600.0):
         self.capacity = capacity
         self.ttl = ttl  # after this long a prefix is assumed evicted from the backend's cache
-        self._seen: OrderedDict[int, float] = OrderedDict()
+        self._seen: OrderedDict[Any, tuple[float, float]] = OrderedDict()  # key: (last use, tokens of its segment)
+        self.volume = 0.0  # tokens of the entries in _seen
+        self._tails = 0  # names the entries of prompt tails
 
     def __len__(self) -> int:
         return len(self._seen)
 
-    def add(self, keys: Sequence[int], now: float) -> None:
+    def add(self, keys: tuple[int, ...], now: float, prompt_tokens: float = 0.0, room: float | None = None) -> None:
+        """A prompt of ``prompt_tokens`` with ``keys`` was cached at ``now``; the cache holds ``room``
+        tokens (None: unknown, only ``ttl`` and ``capacity`` evict)."""
         seen = self._seen
-        for k in keys:
-            seen[k] = now
-            seen.move_to_end(k)
-        while len(seen) > self.capacity:
-            seen.popitem(last=False)
+        ends = BOUNDARIES[: len(keys)]
+        tail = prompt_tokens - (ends[-1] if ends else 0) / CHARS_PER_TOKEN
+        if tail > 0 and room is not None:
+            # Oldest first: the engine touches a prompt's blocks last one first, so it evicts the
+            # deepest part of a chain before its head (a kept block's predecessors are kept too).
+            self._tails += 1
+            seen[(None, self._tails)] = (now, tail)
+            self.volume += tail
+        for i in range(len(keys) - 1, -1, -1):
+            size = (ends[i] - (ends[i - 1] if i else 0)) / CHARS_PER_TOKEN
+            old = seen.pop(keys[i], None)
+            if old is not None:
+                self.volume -= old[1]
+            seen[keys[i]] = (now, size)
+            self.volume += size
+        while seen and (len(seen) > self.capacity or (room is not None and self.volume > room)):
+            self.volume -= seen.popitem(last=False)[1][1]
 
     def depth(self, keys: tuple[int, ...], now: float) -> int:
         """How many leading keys this backend served within ``ttl`` (longest match first)."""
         seen = self._seen
         for i in range(len(keys) - 1, -1, -1):
             t = seen.get(keys[i])
-            if t is not None and now - t <= self.ttl:
+            if t is not None and now - t[0] <= self.ttl:
                 return i + 1
         return 0
 
     def clear(self) -> None:
         self._seen.clear()
+        self.volume = 0.0
 
 
 class Placements:
@@ -153,7 +177,7 @@ class Placements:
 
     ``record`` is on the request path: one append to a bounded deque (the oldest placements drop
     when nobody drains it, e.g. while Redis is down). ``drain`` (every ``state.load_interval``)
-    groups them by backend and drops repeated keys: a shared system prompt is sent once a batch.
+    groups them by backend and drops repeated chains: a shared system prompt is sent once a batch.
     """
 
     __slots__ = ("_out",)
@@ -167,16 +191,17 @@ class Placements:
     def record(self, backend_id: str, keys: tuple[int, ...]) -> None:
         self._out.append((backend_id, keys))
 
-    def drain(self) -> dict[str, list[int]]:
-        """{backend id: its keys, each once, in the order they were placed}; empties the log."""
-        by: dict[str, dict[int, None]] = {}
+    def drain(self) -> dict[str, list[list[int]]]:
+        """{backend id: its key chains (each a prompt's leading keys), each once, in the order they were
+        placed}; empties the log. Chains, not a flat key list: the receiving memory sizes each key by
+        its depth in a chain."""
+        by: dict[str, dict[tuple[int, ...], None]] = {}
         out = self._out
         while out:
             bid, keys = out.popleft()
             seen = by.get(bid)
             if seen is None:
                 seen = by[bid] = {}
-            for k in keys:
-                seen.pop(k, None)  # re-placed: moves to the end, as in the backend's LRU
-                seen[k] = None
-        return {bid: list(keys) for bid, keys in by.items()}
+            seen.pop(keys, None)  # re-placed: moves to the end, as in the backend's LRU
+            seen[keys] = None
+        return {bid: [list(k) for k in chains] for bid, chains in by.items()}

@@ -33,7 +33,8 @@ log = logging.getLogger("gateway.state.cluster")
 
 DIRECTORY_EVERY = 1.0
 DIRECTORY_TTL_MS = 5000
-MAX_KEYS_PER_BACKEND = 4096  # in one received placements message: a prefix memory holds no more
+MAX_CHAINS_PER_BACKEND = 1024  # in one received placements message (a sender logs no more)
+MAX_CHAIN_KEYS = 16  # a prompt has at most len(routing.prefix.BOUNDARIES) keys
 
 
 class Cluster:
@@ -119,13 +120,14 @@ class Cluster:
             return
         if not isinstance(msg, dict) or msg.get("from") == self.store.replica or not isinstance(msg.get("p"), dict):
             return
-        for bid, keys in msg["p"].items():
+        for bid, chains in msg["p"].items():
             b = self.pool.get(bid)
-            if b is None or not isinstance(keys, list):
+            if b is None or not isinstance(chains, list):
                 continue  # a backend this replica does not have (yet)
-            keys = [k for k in keys[-MAX_KEYS_PER_BACKEND:] if type(k) is int]
-            if keys:
-                self.balancer.learn_placements(b, keys)
+            valid = [c for c in chains[-MAX_CHAINS_PER_BACKEND:]
+                     if isinstance(c, list) and 0 < len(c) <= MAX_CHAIN_KEYS and all(type(k) is int for k in c)]
+            if valid:
+                self.balancer.learn_placements(b, valid)
 
     # -- ejection ----------------------------------------------------------------------------------
     def _on_change(self, b: Any) -> None:

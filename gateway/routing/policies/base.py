@@ -160,8 +160,8 @@ class Balancer:
             self.placements = Placements()
         return self.placements
 
-    def learn_placements(self, backend: Backend, keys: Sequence[int]) -> None:
-        """Another replica sent requests with these prefix keys to ``backend`` (``shares_prefixes``)."""
+    def learn_placements(self, backend: Backend, chains: Sequence[Sequence[int]]) -> None:
+        """Another replica sent requests with these prefix key chains to ``backend`` (``shares_prefixes``)."""
 
     def _least(self, candidates: Sequence[Backend], score: Callable[[Backend], float]) -> Backend:
         """The lowest score, ties at random."""
