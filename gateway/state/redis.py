@@ -31,6 +31,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, ResponseError
 
+from .._compat import timeout as _timeout
 from ..config import ApiKeyConfig, ConfigError
 from . import stats
 from .base import HOUR, StateStore, UsageRow, hour_of
@@ -203,7 +204,9 @@ class RedisStore(StateStore):
     # -- plumbing ------------------------------------------------------------------------------
     async def _call(self, op: str, aw: Awaitable[T]) -> T:
         try:
-            return await asyncio.wait_for(aw, self.cfg.timeout * 2)
+            # A deadline in this task, not wait_for (which runs ``aw`` in a task of its own on 3.11).
+            async with _timeout(self.cfg.timeout * 2):
+                return await aw
         except Exception:
             stats.STATE_ERRORS.labels(op=op).inc()
             self._mark_down(op)
