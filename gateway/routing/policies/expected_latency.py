@@ -277,6 +277,19 @@ class ExpectedLatencyBalancer(Balancer):
         self._ramp_top(candidates, now)
         return [self._estimate(b, req, now, fleet)[0] for b in candidates]
 
+    def starts_at_once(self, backend: Backend, req: RequestInfo) -> bool:
+        # The conditions under which _wait_steps is 0 for r (so _estimate's wait is 0), checked
+        # without walking the requests in flight: a free batch slot (or none known) and KV room
+        # (or no capacity known), with the same arithmetic as there.
+        m = self._model(backend)
+        if m.slots is not None and len(m.inflight) + int(max(m.ext, float(backend.remote_in_flight))) + 1 > m.slots:
+            return False
+        if m.kv_capacity is not None and m.inflight:
+            self._prepare(req)
+            if m.kv + (self._sizes(req.model).prompt(req) + req.out_tokens) - m.kv_capacity > 0:
+                return False
+        return True
+
     @staticmethod
     def _wait_steps(m: BackendModel, rems: list[tuple[float, float]], kv_new: float, ext: int = 0, ext_rem: float = 0.0) -> float:
         """Decode steps until r is admitted: a batch slot and room for its KV must both free up.
