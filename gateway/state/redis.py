@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import secrets
 import time
 from collections import deque
@@ -412,7 +413,8 @@ class RedisStore(StateStore):
             out: list[Any] = []
             for _ in range(n):
                 try:
-                    out.append(await conn.read_response())
+                    # No timeout context per reply (inf: none): the batch's deadline in _call bounds them all.
+                    out.append(await conn.read_response(timeout=math.inf))
                 except ResponseError as exc:  # an error reply to one command; the rest still follow
                     out.append(exc)
         except BaseException:
