@@ -59,6 +59,21 @@ class InvalidResponse(Exception):
         self.reason = reason
 
 
+class Timeout(Exception):
+    """A deadline passed while waiting for the backend: the response head, or a body chunk."""
+
+
+# A waiter's result when its deadline passed. A timer handle that resolves the waiter is far
+# cheaper than a timeout context (which cancels the task and uncancels it again), and none is
+# made at all when the bytes are already there, the usual case for a small response.
+_TIMED_OUT = object()
+
+
+def _expire(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(_TIMED_OUT)
+
+
 class _Violation(Exception):
     """Raised inside a parser callback to stop the parse; the reason is kept on the connection."""
 
@@ -211,24 +226,37 @@ class H1Response:
         self._closed = False
 
     async def chunks(self) -> AsyncIterator[bytes]:
+        while True:
+            data = await self.next_chunk()
+            if data is None:
+                return
+            yield data
+
+    async def next_chunk(self, timeout: float | None = None) -> bytes | None:
+        """The body bytes buffered so far, waiting up to ``timeout`` seconds for some if there are
+        none; None at the end of the body. Raises Timeout, InvalidResponse or ConnectionLost."""
         conn = self._conn
-        loop = asyncio.get_running_loop()
         while True:
             data = conn.take()
             if data is not None:
-                yield data
-                continue
+                return data
             if conn.done:
-                return
+                return None
             if conn.violation is not None:
                 raise InvalidResponse(conn.violation)
             if conn.lost:
                 raise ConnectionLost()
-            conn.waiter = loop.create_future()
+            loop = asyncio.get_running_loop()
+            waiter = conn.waiter = loop.create_future()
+            timer = loop.call_later(timeout, _expire, waiter) if timeout is not None else None
             try:
-                await conn.waiter
+                await waiter
             finally:
                 conn.waiter = None
+                if timer is not None:
+                    timer.cancel()
+            if waiter.result() is _TIMED_OUT:
+                raise Timeout()
 
     async def aclose(self) -> None:
         if self._closed:
@@ -262,7 +290,8 @@ class H1Pool:
         self.idle: collections.deque[_Conn] = collections.deque()
         self.connect_timeout = connect_timeout
 
-    async def _connection(self) -> _Conn:
+    def _reuse(self) -> _Conn | None:
+        """An idle connection that is still good, or None."""
         now = time.monotonic()
         while self.idle:
             conn = self.idle.pop()  # most recently used first: it is the least likely to be closing
@@ -271,6 +300,9 @@ class H1Pool:
                 return conn
             if conn.transport is not None:
                 conn.transport.close()
+        return None
+
+    async def _connect(self) -> _Conn:
         loop = asyncio.get_running_loop()
 
         def make() -> _Conn:
@@ -292,20 +324,37 @@ class H1Pool:
         conn.idle_since = time.monotonic()
         self.idle.append(conn)
 
-    async def request(self, head: bytes, body: bytes) -> H1Response:
-        """Send one request; return when the response head has arrived."""
-        conn = await self._connection()
+    async def request(self, head: bytes, body: bytes, first_byte: float | None = None) -> H1Response:
+        """Send one request; return when the response head has arrived. ``first_byte``: seconds for
+        all of it, a new connection included (Timeout past them)."""
         loop = asyncio.get_running_loop()
-        conn.head_waiter = loop.create_future()
+        deadline = loop.time() + first_byte if first_byte is not None else None
+        conn = self._reuse()
+        if conn is None:
+            if first_byte is None:
+                conn = await self._connect()
+            else:
+                try:
+                    async with _timeout(first_byte):
+                        conn = await self._connect()
+                except TimeoutError:
+                    raise Timeout() from None
+        waiter = conn.head_waiter = loop.create_future()
         assert conn.transport is not None
         conn.transport.writelines((head, body))
+        timer = loop.call_at(deadline, _expire, waiter) if deadline is not None else None
         try:
-            await conn.head_waiter
+            await waiter
         except BaseException:
             conn.transport.close()
             raise
         finally:
             conn.head_waiter = None
+            if timer is not None:
+                timer.cancel()
+        if waiter.result() is _TIMED_OUT:
+            conn.transport.close()  # the backend may still answer: that connection is done
+            raise Timeout()
         if conn.status == 0:  # lost (or refused) before a final status line
             conn.transport.close()
             if conn.violation is not None:

@@ -160,7 +160,7 @@ class Listener:
         ctx = self._context(scope)
         if isinstance(ctx, Refusal):
             rid = secrets.token_hex(8)
-            await refuse(_adding(send, self._answer_headers(rid, "openai", origin)), ctx, "openai")
+            await refuse(_Answer(send, self._answer_headers(rid, "openai", origin)), ctx, "openai")
             status, kind, reason = ctx.status, "unrouted", ctx.reason
             ctx = None
         else:
@@ -168,7 +168,7 @@ class Listener:
             rid = ctx.request_id = given.decode() if given is not None and _REQUEST_ID.match(given) else secrets.token_hex(8)
             if self.tracer is not None:
                 ctx.span = self.tracer.start(scope["method"], ctx.route.path, ctx.headers)
-            status = await self._run(ctx, receive, _adding(send, self._answer_headers(ctx.request_id, ctx.style, origin)))
+            status = await self._run(ctx, receive, _Answer(send, self._answer_headers(ctx.request_id, ctx.style, origin)))
             kind, reason = ctx.route.kind, ctx.refusal
             tracing.finish(ctx, status)
         elapsed = time.monotonic() - started
@@ -248,7 +248,7 @@ class Listener:
                 headers[name] = b"\x00".join(values)
         return RequestContext(scope, resolved, headers)
 
-    async def _run(self, ctx: RequestContext, receive: Receive, send: Send) -> int:
+    async def _run(self, ctx: RequestContext, receive: Receive, send: "_Answer") -> int:
         """The chain for one routed request; returns the status the client got (499: it left)."""
         route = ctx.route
         refusal = _check(ctx, "filter.auth", self.auth.check)
@@ -270,7 +270,7 @@ class Listener:
         finally:
             grant.release()  # the body is held until the request is over
 
-    async def _run_body(self, ctx: RequestContext, grant: UploadGrant, receive: Receive, send: Send) -> int:
+    async def _run_body(self, ctx: RequestContext, grant: UploadGrant, receive: Receive, send: "_Answer") -> int:
         try:
             raw = await self._read_body(receive, grant)
         except _ClientGone:
@@ -329,34 +329,29 @@ class Listener:
             if not message.get("more_body", False):
                 return b"".join(parts)
 
-    async def _forward(self, ctx: RequestContext, payload: bytes, receive: Receive, send: Send) -> int:
+    async def _forward(self, ctx: RequestContext, payload: bytes, receive: Receive, send: "_Answer") -> int:
         headers = [_JSON, (b"x-request-id", ctx.request_id.encode())]
         for name in FORWARD_REQUEST_HEADERS:
             value = ctx.headers.get(name)
             if value is not None and b"\x00" not in value:
                 headers.append((name, value))
 
-        state = {"done": False, "gone": False}
+        if ctx.admission is not None and ctx.admission.headers:
+            send.extra = [*ctx.admission.headers, *send.extra]  # the limits' headers, on every answer from here on
+        gone = False
         task = asyncio.current_task()
 
-        async def send_tracked(message: dict[str, Any]) -> None:
-            if message["type"] == "http.response.start":
-                if ctx.admission is not None and ctx.admission.headers:
-                    message["headers"] += ctx.admission.headers
-            elif not message.get("more_body", False):
-                state["done"] = True
-            await send(message)
-
         async def reply(refusal: Refusal) -> None:
-            await self._refuse(ctx, send_tracked, refusal)
+            await self._refuse(ctx, send, refusal)
 
         async def watch() -> None:
+            nonlocal gone
             # A client that goes away must cancel the upstream request: that frees the GPU.
             while True:
                 message = await receive()
                 if message["type"] == "http.disconnect":
-                    if not state["done"] and task is not None:
-                        state["gone"] = True
+                    if not send.done and task is not None:
+                        gone = True
                         task.cancel()
                     return
 
@@ -366,9 +361,9 @@ class Listener:
         watcher: list[asyncio.Task[None]] = []
         timer = loop.call_later(WATCH_AFTER, lambda: watcher.append(loop.create_task(watch())))
         try:
-            return await self.router.forward(ctx, payload, headers, send_tracked, reply)
+            return await self.router.forward(ctx, payload, headers, send, reply)
         except asyncio.CancelledError:
-            if not state["gone"]:
+            if not gone:
                 raise
             if hasattr(task, "uncancel"):
                 task.uncancel()  # type: ignore[union-attr]
@@ -396,12 +391,21 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
     return None
 
 
-def _adding(send: Send, extra: list[tuple[bytes, bytes]]) -> Send:
-    """``send`` with ``extra`` headers on the response start (request id, CORS): every answer gets them."""
+class _Answer:
+    """``send`` with ``extra`` headers on the response start (request id, CORS, the limits'): every
+    answer gets them. ``done``: the response's last message went (a disconnect after it is no
+    reason to cancel anything). One object and one call per message, not a wrapper per concern."""
 
-    async def send_with(message: dict[str, Any]) -> None:
+    __slots__ = ("send", "extra", "done")
+
+    def __init__(self, send: Send, extra: list[tuple[bytes, bytes]]):
+        self.send = send
+        self.extra = extra
+        self.done = False
+
+    async def __call__(self, message: dict[str, Any]) -> None:
         if message["type"] == "http.response.start":
-            message["headers"] = [*message["headers"], *extra]
-        await send(message)
-
-    return send_with
+            message["headers"] = [*message["headers"], *self.extra]
+        elif not message.get("more_body", False):
+            self.done = True
+        await self.send(message)

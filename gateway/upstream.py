@@ -41,7 +41,8 @@ from yarl import URL
 
 from ._compat import timeout as _timeout
 from .config import TimeoutsConfig, UpstreamConfig
-from .h1 import ConnectFailed, ConnectionLost, ConnectTimeout, H1Pool, InvalidResponse
+from .h1 import ConnectFailed, ConnectionLost, ConnectTimeout, H1Pool, H1Response, InvalidResponse
+from .h1 import Timeout as H1Timeout
 
 # Request headers a client may pass through; everything else is dropped (allow-list).
 FORWARD_REQUEST_HEADERS = (b"accept", b"anthropic-version", b"anthropic-beta")
@@ -77,15 +78,17 @@ class UpstreamInvalid(UpstreamFailure):
 class UpstreamResponse:
     """What the router needs of a response, whatever the transport."""
 
-    __slots__ = ("status", "headers", "declared_length", "_chunks", "_close", "_max_line")
+    __slots__ = ("status", "headers", "declared_length", "_chunks", "_close", "_max_line", "_lined")
 
-    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], chunks, close, declared_length: int | None = None, max_line: int = 0):
+    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], chunks, close, declared_length: int | None = None, max_line: int = 0, lined=None):
         self.status = status
         self.headers = headers  # only the allow-listed ones, lower-case names
         self.declared_length = declared_length  # the backend's Content-Length, if it sent one
         self._chunks = chunks
         self._close = close
         self._max_line = max_line
+        # Optional: chunks(LineBound or None) that checks each chunk itself (one generator less per chunk).
+        self._lined = lined
 
     @property
     def is_event_stream(self) -> bool:
@@ -96,32 +99,48 @@ class UpstreamResponse:
 
     def chunks(self) -> AsyncIterator[bytes]:
         """The body as it arrives (for streams): a line longer than the limit is UpstreamInvalid."""
+        if self._lined is not None:
+            return self._lined(LineBound(self._max_line) if self._max_line else None)
         return _line_bounded(self._chunks(), self._max_line) if self._max_line else self._chunks()
 
     async def aclose(self) -> None:
         await self._close()
 
 
-async def _line_bounded(chunks: AsyncIterator[bytes], max_line: int) -> AsyncIterator[bytes]:
-    """Relays chunks while no line exceeds ``max_line`` and no SSE event ``EVENTS_PER_LINE`` times that."""
-    max_event = max_line * EVENTS_PER_LINE
-    line = event = 0  # bytes since the last newline / the last blank line
-    tail = b""  # the last byte of the previous chunk: a blank line may straddle two chunks
-    async for chunk in chunks:
+class LineBound:
+    """A stream's limits, checked chunk by chunk: no line longer than ``max_line`` and no SSE event
+    longer than ``EVENTS_PER_LINE`` times that (UpstreamInvalid)."""
+
+    __slots__ = ("max_line", "max_event", "line", "event", "tail")
+
+    def __init__(self, max_line: int):
+        self.max_line = max_line
+        self.max_event = max_line * EVENTS_PER_LINE
+        self.line = self.event = 0  # bytes since the last newline / the last blank line
+        self.tail = b""  # the last byte of the previous chunk: a blank line may straddle two chunks
+
+    def check(self, chunk: bytes) -> None:
         nl = chunk.rfind(b"\n")
-        line = line + len(chunk) if nl < 0 else len(chunk) - nl - 1
+        self.line = self.line + len(chunk) if nl < 0 else len(chunk) - nl - 1
         end = max(chunk.rfind(b"\n\n"), chunk.rfind(b"\n\r\n"))
         if end >= 0:
-            event = len(chunk) - end - 2
-        elif tail == b"\n" and (chunk.startswith(b"\n") or chunk.startswith(b"\r\n")):
-            event = len(chunk)
+            self.event = len(chunk) - end - 2
+        elif self.tail == b"\n" and (chunk.startswith(b"\n") or chunk.startswith(b"\r\n")):
+            self.event = len(chunk)
         else:
-            event += len(chunk)
-        tail = chunk[-1:]
-        if line > max_line:
+            self.event += len(chunk)
+        self.tail = chunk[-1:]
+        if self.line > self.max_line:
             raise UpstreamInvalid("line_too_long")
-        if event > max_event:
+        if self.event > self.max_event:
             raise UpstreamInvalid("event_too_long")
+
+
+async def _line_bounded(chunks: AsyncIterator[bytes], max_line: int) -> AsyncIterator[bytes]:
+    """Relays chunks while they keep within ``LineBound(max_line)``."""
+    bound = LineBound(max_line)
+    async for chunk in chunks:
+        bound.check(chunk)
         yield chunk
 
 
@@ -146,6 +165,11 @@ class Upstream:
                 response = await self._send(url, payload, headers)
         except TimeoutError:
             raise UpstreamTimeout("first_byte") from None
+        return await self._final(response)
+
+    @staticmethod
+    async def _final(response: UpstreamResponse) -> UpstreamResponse:
+        """Only a final status is a response."""
         if not 200 <= response.status <= 599:
             # A transport that skips interim responses itself may still hand over a 101.
             await response.aclose()
@@ -276,7 +300,8 @@ class AiohttpUpstream(Upstream):
 
 
 class NativeUpstream(Upstream):
-    """Our own keep-alive HTTP/1.1 client (gateway/h1.py): one write per request, no URL objects."""
+    """Our own keep-alive HTTP/1.1 client (gateway/h1.py): one write per request, no URL objects;
+    its deadlines are timer handles on h1's waiters, and each chunk passes one generator."""
 
     def __init__(self, timeouts: TimeoutsConfig, limits: UpstreamConfig | None = None):
         super().__init__(timeouts, limits)
@@ -303,7 +328,8 @@ class NativeUpstream(Upstream):
         self._targets[url] = (pool, prefix)
         return pool, prefix
 
-    async def _send(self, url: str, payload: bytes, headers: list[tuple[bytes, bytes]]) -> UpstreamResponse:
+    async def open(self, url: str, payload: bytes, headers: list[tuple[bytes, bytes]]) -> UpstreamResponse:
+        # The first-byte deadline is kept by h1 itself (a timer on the head's waiter), not by a timeout context.
         target = self._targets.get(url) or self._target(url)
         pool, prefix = target
         lines = [prefix, b"content-length: ", str(len(payload)).encode(), b"\r\n"]
@@ -312,7 +338,9 @@ class NativeUpstream(Upstream):
                 lines += (k, b": ", v, b"\r\n")
         lines.append(b"\r\n")
         try:
-            resp = await pool.request(b"".join(lines), payload)
+            resp = await pool.request(b"".join(lines), payload, self.timeouts.first_byte)
+        except H1Timeout:
+            raise UpstreamTimeout("first_byte") from None
         except ConnectFailed:
             raise UpstreamFailure("connect_refused") from None
         except ConnectTimeout:
@@ -322,15 +350,6 @@ class NativeUpstream(Upstream):
         except InvalidResponse as exc:
             raise UpstreamInvalid(exc.reason) from None
 
-        async def raw() -> AsyncIterator[bytes]:
-            try:
-                async for chunk in resp.chunks():
-                    yield chunk
-            except ConnectionLost:
-                raise UpstreamFailure("reset") from None
-            except InvalidResponse as exc:
-                raise UpstreamInvalid(exc.reason) from None
-
         headers_out = []
         declared = None
         for k, v in resp.headers:
@@ -338,7 +357,32 @@ class NativeUpstream(Upstream):
                 headers_out.append((k, v))
             elif k == b"content-length":
                 declared = _declared_length(v)
-        return UpstreamResponse(resp.status, headers_out, lambda: self._bounded(raw()), resp.aclose, declared, self.limits.max_line_bytes)
+        return await self._final(UpstreamResponse(
+            resp.status, headers_out, lambda: self._chunks(resp, None), resp.aclose, declared, self.limits.max_line_bytes,
+            lambda bound: self._chunks(resp, bound),
+        ))
+
+    async def _chunks(self, resp: H1Response, bound: LineBound | None) -> AsyncIterator[bytes]:
+        """The body as it arrives, in one generator: the first chunk within the first-byte deadline,
+        each next within the idle one (only the wait for the backend counts, as in ``_bounded``),
+        and the stream's line limits when ``bound`` is given."""
+        limit, phase = self.timeouts.first_byte, "first_byte"
+        idle = self.timeouts.idle
+        try:
+            while True:
+                chunk = await resp.next_chunk(limit)
+                if chunk is None:
+                    return
+                limit, phase = idle, "idle"
+                if bound is not None:
+                    bound.check(chunk)
+                yield chunk
+        except H1Timeout:
+            raise UpstreamTimeout(phase) from None
+        except ConnectionLost:
+            raise UpstreamFailure("reset") from None
+        except InvalidResponse as exc:
+            raise UpstreamInvalid(exc.reason) from None
 
     async def aclose(self) -> None:
         for pool in self._pools.values():

@@ -257,6 +257,27 @@ def test_slowloris_headers_time_out_with_408(gw):
     gw.assert_responsive()
 
 
+def test_keep_alive_and_header_deadlines_hold_across_a_reused_connection(gw):
+    # The keep-alive, header and body deadlines share one timer handle that re-arms itself when a
+    # request moved the deadline: the idle close and the 408 must still come, each from its own
+    # deadline (1 s each in this fixture), counted from the right moment.
+    with gw.connect() as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: gw\r\n\r\n")
+        sent = time.monotonic()
+        assert status_of(s.recv(65536)) == 200
+        assert read_all(s) == b""  # the server closed the idle connection
+        assert 0.9 <= time.monotonic() - sent < 3.0
+    with gw.connect() as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: gw\r\n\r\n")
+        assert status_of(s.recv(65536)) == 200
+        time.sleep(0.5)  # within the keep-alive deadline; a head begins, and never ends
+        s.sendall(b"GET /health HTTP/1.1\r\n")
+        begun = time.monotonic()
+        reply = read_all(s)
+        assert status_of(reply) == 408 and error_code(reply) == "header_timeout"
+        assert 0.9 <= time.monotonic() - begun < 3.0
+
+
 # -- bodies --------------------------------------------------------------------------------------
 
 def test_slow_body_times_out_with_408(gw, keys, sim):

@@ -22,6 +22,8 @@ from gateway.routing.pool import Backend
 from gateway.routing.prefix import BOUNDARIES, MAX_PREFIX_CHARS, Placements, prefix_keys
 from support import GatewayServer, Sim, gateway_config, wait_until
 
+pytestmark = pytest.mark.e2e  # the replica tests run gateway servers and a redis-server
+
 MODEL = "test-model"
 
 
@@ -31,7 +33,6 @@ def _blake(data: bytes) -> int:
 
 # -- the stable hash ------------------------------------------------------------------------------------
 
-@pytest.mark.unit
 @pytest.mark.parametrize("head", ["a" * MAX_PREFIX_CHARS, ("é€ " * 3000)[:MAX_PREFIX_CHARS], "x" * 700, "y" * 255])
 def test_prefix_key_i_is_blake2b_of_the_first_boundary_i_chars(head):
     keys = prefix_keys(head)
@@ -40,7 +41,6 @@ def test_prefix_key_i_is_blake2b_of_the_first_boundary_i_chars(head):
     assert len(keys) == sum(1 for end in BOUNDARIES if end <= len(head))
 
 
-@pytest.mark.unit
 def test_prefix_keys_are_the_same_in_another_process_with_another_string_hash_seed():
     heads = ["s" * 3000, "système " * 500, "q" * MAX_PREFIX_CHARS]
     code = "import json, sys; from gateway.routing.prefix import prefix_keys; print(json.dumps([prefix_keys(h) for h in json.load(sys.stdin)]))"
@@ -54,7 +54,6 @@ def test_prefix_keys_are_the_same_in_another_process_with_another_string_hash_se
 
 # -- the placements log and the merge -------------------------------------------------------------------
 
-@pytest.mark.unit
 def test_placements_group_by_backend_once_per_chain_and_stay_bounded():
     log = Placements(capacity=3)
     k1, k2 = prefix_keys("a" * 600), prefix_keys("b" * 600)
@@ -78,7 +77,6 @@ def _fleet() -> list[Backend]:
     return [Backend(id=i, url=f"http://{i}.invalid", models=frozenset({"m"}), healthy=True) for i in ("a", "b", "c", "d")]
 
 
-@pytest.mark.unit
 @pytest.mark.parametrize("seed", range(5))
 def test_placements_learnt_from_another_replica_draw_its_prefix_to_the_same_backend(seed):
     keys = prefix_keys("shared document " * 200)
@@ -99,7 +97,6 @@ def test_placements_learnt_from_another_replica_draw_its_prefix_to_the_same_back
     assert len(other.models(by_id[first.id]).inflight) == 0  # a placement is no load: that comes as remote_in_flight
 
 
-@pytest.mark.unit
 def test_policies_without_a_prefix_memory_share_nothing():
     for name in ("least_in_flight", "round_robin", "random", "least_load"):
         assert make_balancer(name).shares_prefixes is False
@@ -118,7 +115,6 @@ def _served_by(sims: list[Sim], marker: str) -> list[int]:
     return [j for j, s in enumerate(sims) if any(marker in json.dumps(r) for r in s.requests())]
 
 
-@pytest.mark.e2e
 def test_a_prefix_first_routed_by_one_replica_is_routed_to_the_same_backend_by_the_other(keys, redis_server):
     n = 4
     sims = [Sim(MODEL, "--ttft", "0.5", "--tpot", "0", api_key="backend-secret") for _ in range(n)]
@@ -170,7 +166,6 @@ def test_a_prefix_first_routed_by_one_replica_is_routed_to_the_same_backend_by_t
             s.stop()
 
 
-@pytest.mark.e2e
 def test_with_redis_down_each_replica_keeps_its_own_table_and_sharing_resumes_after(keys):
     from redisd import RedisServer
 
@@ -217,7 +212,6 @@ def test_with_redis_down_each_replica_keeps_its_own_table_and_sharing_resumes_af
             s.stop()
 
 
-@pytest.mark.unit
 def test_many_learnt_chains_on_one_backend_each_keep_their_own_depth():
     # A drained message holds many prompts for one backend: each chain is sized by its own depth
     # (a flat key list longer than BOUNDARIES would overrun the size-aware memory).

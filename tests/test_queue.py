@@ -442,3 +442,32 @@ def test_lower_classes_count_the_other_replicas_in_the_reserve():
     a.remote_in_flight = 0
     assert len(adm.drain("m")) == 1
 
+
+
+def test_a_backend_the_policy_says_starts_at_once_is_predicted_to_start_with_no_wait():
+    # The queue skips the estimate (a walk over every request in flight) when the policy knows a
+    # backend has a free slot and KV room: that shortcut must never disagree with the estimate.
+    rng = random.Random(7)
+    verdicts = set()
+    for _ in range(300):
+        clock = Clock()
+        bal = ExpectedLatencyBalancer(BalancerConfig(), clock=clock, rng=random.Random(1))
+        (b,) = backends("a")
+        m = bal._model(b)
+        m.slots = rng.choice([None, 1, 2, 4, 8])
+        m.kv_capacity = rng.choice([None, 500.0, 2000.0, 20000.0])
+        m.ext = float(rng.choice([0, 0, 1, 3]))
+        b.remote_in_flight = rng.choice([0, 0, 2])
+        for _ in range(rng.randrange(0, 10)):
+            r = req(prompt=rng.randrange(1, 400), out=rng.randrange(1, 400))
+            bal.dispatched(b, r)
+            if rng.random() < 0.5:
+                clock.t += rng.random()
+                bal.first_byte(b, r, 0.1)
+        clock.t += rng.random()
+        r = req(prompt=rng.randrange(1, 400), out=rng.randrange(1, 400))
+        quick = bal.starts_at_once(b, r)
+        verdicts.add(quick)
+        if quick:
+            assert bal.predict([b], r)[0].wait == 0
+    assert verdicts == {True, False}  # both ways were exercised

@@ -298,3 +298,34 @@ def test_redis_down_keeps_known_keys_working_refuses_unknown_ones_and_recovers(k
         asyncio.run_coroutine_threadsafe(a.gateway.store.put_key(ApiKeyConfig(name="fresh", hash=hash_key(fresh))), _loop_of(a)).result(5)
         wait_until(lambda: _chat(b, fresh).status_code == 200, 3.0, 0.05, "a key created after the restart, on the other replica")
         assert _chat(a, limited).status_code == 200
+
+
+def test_a_redis_that_stops_answering_costs_a_request_at_most_its_deadline(keys):
+    # A hung Redis (stopped, its socket open): a batch's replies are bounded by the batch's one
+    # deadline (state.timeout x 2), not by a timeout per reply; a limited key falls back and is answered.
+    import os
+    import signal
+
+    from redisd import RedisServer
+
+    prefix = "t" + secrets.token_hex(4)
+    k, limited = _with_key(keys, rate_limit_rpm=1000)
+    with RedisServer() as redis, replicas(k, redis.url, prefix, n=1, sim_args=("--ttft", "0", "--tpot", "0"), timeout=0.2) as (gws, _):
+        (gw,) = gws
+        store = gw.gateway.store
+        assert _chat(gw, limited).status_code == 200
+        assert redis.proc is not None
+        os.kill(redis.proc.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            batch = asyncio.run_coroutine_threadsafe(store._call("test", store._send_raw(b"*1\r\n$4\r\nPING\r\n", 1)), _loop_of(gw))
+            with pytest.raises(TimeoutError):
+                batch.result(5)
+            assert time.monotonic() - t0 < 2.0
+            with httpx.Client(timeout=5) as c:
+                t0 = time.monotonic()
+                r = _chat(gw, limited, c)
+                assert r.status_code == 200, r.text
+                assert time.monotonic() - t0 < 2.0
+        finally:
+            os.kill(redis.proc.pid, signal.SIGCONT)

@@ -219,20 +219,24 @@ class Admission:
         then find a slot, short steps and an empty prefill queue."""
         if not candidates:
             return ()
-        preds = self.balancer.predict(candidates, req)  # type: ignore[union-attr]
         hold = self.config.hold_wait
         if self.reserving(req.model, priority):
             # While interactive requests come, it must not slow their steps nor queue its prefill
             # in front of theirs.
+            preds = self.balancer.predict(candidates, req)
             reserve = self.config.reserve
             fit = [b for b, p in zip(candidates, preds)
                    if p.wait <= hold and p.prefill_ahead <= LOW_PREFILL_AHEAD and (p.slots is None or p.free >= 1 + int(reserve * p.slots))]
             return fit
-        if any(p.wait <= hold for p in preds) or any(b.in_flight + b.remote_in_flight == 0 for b in candidates):
-            # The policy chooses among all of them (it weighs the wait against speed and cache). An
-            # idle backend always takes work: the queue never waits on a prediction alone. Idle
-            # counts the other replicas' requests too (the shared state): one that looks idle here
-            # but is full through them must not take a request that would queue in its engine.
+        # The policy chooses among all of them (it weighs the wait against speed and cache). An
+        # idle backend always takes work: the queue never waits on a prediction alone. Idle counts
+        # the other replicas' requests too (the shared state): one that looks idle here but is full
+        # through them must not take a request that would queue in its engine. A backend the policy
+        # knows to have a free slot and KV room needs no prediction either (its wait is 0): the
+        # estimate, which walks every request in flight, is made only when it decides.
+        if any(b.in_flight + b.remote_in_flight == 0 for b in candidates) or any(self.balancer.starts_at_once(b, req) for b in candidates):
+            return candidates
+        if any(p.wait <= hold for p in self.balancer.predict(candidates, req)):
             return candidates
         return ()
 

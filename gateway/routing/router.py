@@ -185,8 +185,11 @@ class Router:
         start = time.monotonic()
         outcome = Outcome(status=0, ok=False)
         try:
-            with tracing.upstream_call(ctx, b.id, headers) as traced:
-                response = await open_upstream(self.upstream, self.pool, b, path, payload, traced, reply, last)
+            if ctx.span is None:  # untraced: no context manager to build
+                response = await open_upstream(self.upstream, self.pool, b, path, payload, headers, reply, last)
+            else:
+                with tracing.upstream_call(ctx, b.id, headers) as traced:
+                    response = await open_upstream(self.upstream, self.pool, b, path, payload, traced, reply, last)
             if not isinstance(response, UpstreamResponse):
                 return response  # the status the client got, or None: try another backend
             try:

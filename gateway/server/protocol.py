@@ -72,7 +72,12 @@ class HttpConnection(asyncio.Protocol):
         self.cycle: RequestCycle | None = None  # the one the app is running
         self.pending: collections.deque[RequestCycle] = collections.deque()  # pipelined, parsed ahead
         self.parsing: RequestCycle | None = None  # the one whose body is being parsed
+        # One deadline at a time (keep-alive, header, body, linger): ``deadline`` and ``on_expire``
+        # say which; ``timer`` is a handle that fires at ``timer_at`` <= deadline (see ``_arm``).
         self.timer: asyncio.TimerHandle | None = None
+        self.timer_at = 0.0
+        self.deadline = 0.0
+        self.on_expire: Callable[[], None] | None = None
         self.lingering = False
         self.linger_left = 0
         self.closed = False
@@ -80,6 +85,7 @@ class HttpConnection(asyncio.Protocol):
         self.write_paused = False
         self.drain_waiters: list[asyncio.Future[None]] = []
         self.reading_paused = False
+        self.out: list[bytes] = []  # response bytes queued in this loop iteration (see ``write``)
 
     # -- asyncio.Protocol ---------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -94,7 +100,11 @@ class HttpConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self.out.clear()
         self._disarm()
+        if self.timer is not None:  # nothing is left to time: do not keep this connection alive until it fires
+            self.timer.cancel()
+            self.timer = None
         self.conns.forget(self)
         for cycle in (self.cycle, self.parsing, *self.pending):
             if cycle is not None:
@@ -327,6 +337,7 @@ class HttpConnection(asyncio.Protocol):
         self.linger_left = budget
         self.conns.busy(self)
         self._resume_reading()
+        self.flush()
         try:
             transport.write_eof()
         except (OSError, RuntimeError, NotImplementedError):
@@ -336,14 +347,33 @@ class HttpConnection(asyncio.Protocol):
 
     # -- timers -------------------------------------------------------------------------------
     def _arm(self, delay: float, callback: Callable[[], None]) -> None:
+        """``callback`` in ``delay`` seconds, replacing what was armed. A request moves the deadline
+        three times (header, body, keep-alive): a timer handle that would fire first is kept and
+        re-arms itself for the rest when it fires, so a request rarely makes or cancels one."""
+        when = self.loop.time() + delay
+        self.deadline = when
+        self.on_expire = callback
         if self.timer is not None:
+            if self.timer_at <= when:
+                return
             self.timer.cancel()
-        self.timer = self.loop.call_later(delay, callback)
+        self.timer_at = when
+        self.timer = self.loop.call_at(when, self._expired)
 
     def _disarm(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
+        self.on_expire = None  # the handle, if any, fires with nothing to do
+
+    def _expired(self) -> None:
+        self.timer = None
+        callback = self.on_expire
+        if callback is None:
+            return
+        if self.loop.time() < self.deadline:  # moved later since the handle was made: wait the rest
+            self.timer_at = self.deadline
+            self.timer = self.loop.call_at(self.deadline, self._expired)
+            return
+        self.on_expire = None
+        callback()
 
     def _idle_expired(self) -> None:
         self._close()
@@ -374,8 +404,39 @@ class HttpConnection(asyncio.Protocol):
 
     def _close(self) -> None:
         self._disarm()
+        self.flush()
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
+
+    # -- response bytes ---------------------------------------------------------------------------
+    def write(self, data: bytes, last: bool) -> None:
+        """Response bytes. A response's last piece goes out at once, with whatever is queued; other
+        pieces are queued until then or the end of this loop iteration, so a stream's head, chunks
+        and terminator handed over together leave in one write (one syscall, one wake-up of the
+        client) instead of one each, and a chunk that arrives alone still leaves without delay."""
+        out = self.out
+        if last:
+            if out:
+                out.append(data)
+                self.flush()
+            else:
+                self.transport.write(data)  # type: ignore[union-attr]
+            return
+        if not out:
+            self.loop.call_soon(self.flush)
+        out.append(data)
+
+    def flush(self) -> None:
+        out = self.out
+        if not out:
+            return
+        self.out = []
+        transport = self.transport
+        if transport is not None and not self.closed and not transport.is_closing():
+            if len(out) == 1:
+                transport.write(out[0])
+            else:
+                transport.writelines(out)  # one writev, no copy of a large body
 
     def shutdown(self) -> None:
         """Server drain: close now if no request is in progress, else after its response."""
@@ -517,30 +578,30 @@ class RequestCycle:
                 # A sized body follows at once: head and body leave in one write (one syscall less).
                 self.held_head = b"".join(lines)
             else:
-                conn.transport.write(b"".join(lines))  # type: ignore[union-attr]  # a stream: the head goes now
+                conn.write(b"".join(lines), False)  # a stream: the head goes now (this loop iteration)
         elif kind == "http.response.body":
             if not self.response_started or self.response_complete:
                 raise RuntimeError("response body outside a response")
             body = message.get("body", b"")
             more = message.get("more_body", False)
-            transport = conn.transport
             if self.held_head:
                 head, self.held_head = self.held_head, b""
                 if body and not self.head_only and len(body) <= 65536:
                     body = head + body
                 else:
-                    transport.write(head)  # type: ignore[union-attr]
+                    conn.write(head, not more and (self.head_only or not body))
             if self.head_only:
                 pass
             elif self.chunked:
-                # One write per message; the last chunk and the terminator go together.
+                # The last chunk and the terminator go together.
                 if body:
-                    transport.write(b"".join((b"%x\r\n" % len(body), body, b"\r\n0\r\n\r\n" if not more else b"\r\n")))  # type: ignore[union-attr]
+                    conn.write(b"".join((b"%x\r\n" % len(body), body, b"\r\n0\r\n\r\n" if not more else b"\r\n")), not more)
                 elif not more:
-                    transport.write(b"0\r\n\r\n")  # type: ignore[union-attr]
+                    conn.write(b"0\r\n\r\n", True)
             elif body:
-                transport.write(body)  # type: ignore[union-attr]
+                conn.write(body, not more)
             if not more:
+                conn.flush()  # a last message with nothing to write (HEAD, an empty body) still ends what is queued
                 self.response_complete = True
                 self.wake()
             elif conn.write_paused:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import secrets
 import time
 from collections import deque
@@ -35,6 +36,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, ResponseError
 
+from .._compat import timeout as _timeout
 from ..config import ApiKeyConfig, ConfigError
 from . import stats
 from .base import HOUR, StateStore, UsageRow, hour_of
@@ -210,7 +212,9 @@ class RedisStore(StateStore):
     # -- plumbing ------------------------------------------------------------------------------
     async def _call(self, op: str, aw: Awaitable[T]) -> T:
         try:
-            return await asyncio.wait_for(aw, self.cfg.timeout * 2)
+            # A deadline in this task, not wait_for (which runs ``aw`` in a task of its own on 3.11).
+            async with _timeout(self.cfg.timeout * 2):
+                return await aw
         except Exception:
             stats.STATE_ERRORS.labels(op=op).inc()
             self._mark_down(op)
@@ -418,7 +422,8 @@ class RedisStore(StateStore):
             out: list[Any] = []
             for _ in range(n):
                 try:
-                    out.append(await conn.read_response())
+                    # No timeout context per reply (inf: none): the batch's deadline in _call bounds them all.
+                    out.append(await conn.read_response(timeout=math.inf))
                 except ResponseError as exc:  # an error reply to one command; the rest still follow
                     out.append(exc)
         except BaseException:

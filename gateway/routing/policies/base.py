@@ -139,6 +139,11 @@ class Balancer:
         """Each candidate's predicted TTFT and end-to-end latency for req (policies with ``predicts``)."""
         raise NotImplementedError(f"{self.name} makes no predictions")
 
+    def starts_at_once(self, backend: Backend, req: RequestInfo) -> bool:
+        """True when the policy knows without a prediction that ``backend`` would start req with no
+        wait for a batch slot or KV room (``predict`` would say ``wait == 0``); False: ask ``predict``."""
+        return False
+
     def dispatched(self, backend: Backend, req: RequestInfo) -> None:
         backend.in_flight += 1
 

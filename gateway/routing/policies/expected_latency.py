@@ -234,6 +234,7 @@ class ExpectedLatencyBalancer(Balancer):
         d = req.out_tokens
         n = m.batch()
         step = sigma * (1.0 + g * n)
+        rho = self.rho  # a property: once per estimate, not once per request in flight
         queued = 0.0
         shared = 0.0
         rems: list[tuple[float, float]] = []  # (output tokens left, KV held) of each of ours
@@ -244,7 +245,7 @@ class ExpectedLatencyBalancer(Balancer):
                 queued += j.uncached
                 decoded = 0.0
             else:  # a non-streamed response shows no first byte: assume its prefill took the estimate
-                t = now - j.dispatched_at - self.rho * sigma * j.prefill_ahead
+                t = now - j.dispatched_at - rho * sigma * j.prefill_ahead
                 if t < 0:
                     queued += j.uncached
                 decoded = t / step if t > 0 else 0.0
@@ -264,7 +265,7 @@ class ExpectedLatencyBalancer(Balancer):
             queued += ext * sizes.prompt(req) * 0.1  # some of the others are in prefill; a rough share
         prompt = sizes.prompt(req)
         uncached = max(0.0, prompt - key_tokens(depth))
-        prefill = self.rho * sigma * (queued + uncached)
+        prefill = rho * sigma * (queued + uncached)
         lat = prefill + sigma * (1.0 + g) * d + sigma * g * shared
         wait = self._wait_steps(m, rems, prompt + d, int(ext), sizes.out_avg / 2)
         wait_s = wait * step
@@ -276,13 +277,13 @@ class ExpectedLatencyBalancer(Balancer):
             lat += others * sigma * g * shared
             # r's prefill runs inside a step of the whole batch: every sequence decoding there waits
             # for it. A prefix-cache hit is worth this much to the others, not just to r.
-            lat += others * self.rho * sigma * uncached * min(n, m.slots or n)
+            lat += others * rho * sigma * uncached * min(n, m.slots or n)
             behind = len(rems) + 1 - m.slots if m.slots is not None else 0
             if behind > 0:
                 lat += others * behind * d * step / m.slots
         # The first token comes after the wait for a slot (the prefill queue drains meanwhile), r's
         # own prefill and one step.
-        ttft = max(wait_s, self.rho * sigma * queued) + self.rho * sigma * uncached + step
+        ttft = max(wait_s, rho * sigma * queued) + rho * sigma * uncached + step
         ramp = min(1.0, self._ramp(b, now) / self._top)
         lat /= ramp
         ttft /= ramp
@@ -293,7 +294,7 @@ class ExpectedLatencyBalancer(Balancer):
             lat += pen
             ttft += pen
         free = m.slots - len(rems) - ext if m.slots is not None else float("inf")
-        return Prediction(ttft=ttft, e2e=lat, wait=wait_s / ramp, slots=m.slots, free=free, prefill_ahead=self.rho * sigma * queued / ramp), depth
+        return Prediction(ttft=ttft, e2e=lat, wait=wait_s / ramp, slots=m.slots, free=free, prefill_ahead=rho * sigma * queued / ramp), depth
 
     def predict(self, candidates: Sequence[Backend], req: RequestInfo) -> list[Prediction]:
         """What each candidate would do with r if it were sent now."""
@@ -302,6 +303,19 @@ class ExpectedLatencyBalancer(Balancer):
         fleet = self.fleet_sigma(candidates)
         self._ramp_top(candidates, now)
         return [self._estimate(b, req, now, fleet)[0] for b in candidates]
+
+    def starts_at_once(self, backend: Backend, req: RequestInfo) -> bool:
+        # The conditions under which _wait_steps is 0 for r (so _estimate's wait is 0), checked
+        # without walking the requests in flight: a free batch slot (or none known) and KV room
+        # (or no capacity known), with the same arithmetic as there.
+        m = self._model(backend)
+        if m.slots is not None and len(m.inflight) + int(max(m.ext, float(backend.remote_in_flight))) + 1 > m.slots:
+            return False
+        if m.kv_capacity is not None and m.inflight:
+            self._prepare(req)
+            if m.kv + (self._sizes(req.model).prompt(req) + req.out_tokens) - m.kv_capacity > 0:
+                return False
+        return True
 
     @staticmethod
     def _wait_steps(m: BackendModel, rems: list[tuple[float, float]], kv_new: float, ext: int = 0, ext_rem: float = 0.0) -> float:
