@@ -29,6 +29,7 @@ from typing import AsyncIterator
 
 import httptools
 
+from ._compat import nodelay
 from ._compat import timeout as _timeout
 
 IDLE_EXPIRY = 4.0  # below uvicorn's (and so lmdeploy's) 5 s keep-alive timeout
@@ -115,6 +116,7 @@ class _Conn(asyncio.Protocol):
     # -- asyncio.Protocol ---------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        nodelay(transport)  # the request goes out in one write; its bytes must not wait for an ACK
 
     def data_received(self, data: bytes) -> None:
         if self.done or self.violation is not None:

@@ -306,3 +306,28 @@ def test_client_disconnect_cancels_the_upstream_request(setup):
         assert sim.stats()["aborted"] == before + 1
     finally:
         sim.control(ttft=0.02)
+
+
+def test_each_stream_chunk_reaches_the_client_before_the_backend_makes_the_next(setup):
+    """No buffering or coalescing on the way: when the first token's frame arrives, the backend has
+    generated only that token (the next is a whole decode step, 1 s, away)."""
+    import socket
+
+    gw, sim, keys = setup
+    timing = sim.stats()["timing"]
+    sim.control(tpot=1.0)
+    try:
+        before = sim.stats()["steps"]  # one engine step makes one token of the only running request
+        body = orjson.dumps(chat_body(stream=True, max_tokens=3))
+        with socket.create_connection(("127.0.0.1", gw.port), timeout=10) as s:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + keys.alice.encode()
+                      + b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            got = b""
+            while b'"content"' not in got.split(b"\r\n\r\n", 1)[-1]:
+                data = s.recv(65536)
+                assert data, got
+                got += data
+            generated = sim.stats()["steps"] - before
+        assert generated == 1, generated
+    finally:
+        sim.control(tpot=timing["tpot"])

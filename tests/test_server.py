@@ -170,3 +170,45 @@ def test_start_serves_a_second_app_in_a_running_loop_with_the_same_bounds():
         loop.close()
     assert ok.startswith(b"HTTP/1.1 200 ") and ok.endswith(b"ok")
     assert too_many.startswith(b"HTTP/1.1 431 ")
+
+
+@pytest.mark.parametrize("loop_name", ["uvloop", "asyncio"])
+def test_both_sides_of_the_gateway_send_small_writes_at_once(loop_name):
+    """TCP_NODELAY on the client's connection (our server) and on the backend's (our client), on
+    either event loop: stdlib asyncio leaves it off on sockets accepted from our listening socket,
+    and Nagle would then hold an SSE chunk until the previous one is acknowledged."""
+    import asyncio
+
+    import uvloop
+
+    from gateway.h1 import H1Pool
+    from gateway.server.serve import bind, start
+
+    async def app(scope, receive, send):
+        if scope["type"] == "http":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"ok"})
+
+    async def go():
+        cfg = parse_config({"auth": {"disabled": True}, "backends": [{"url": "http://127.0.0.1:1", "models": ["m"]}]})
+        serving = await start(app, cfg.server, drain=1, sockets=[bind("127.0.0.1", 0)])
+        pool = H1Pool("127.0.0.1", serving.port, 5)
+        try:
+            resp = await pool.request(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n", b"")
+            async for _ in resp.chunks():
+                pass
+            upstream = resp._conn.transport.get_extra_info("socket")
+            (server_side,) = serving.connections.open
+            accepted = server_side.transport.get_extra_info("socket")
+            return (upstream.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY),
+                    accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+        finally:
+            pool.close()
+            await serving.stop()
+
+    loop = uvloop.new_event_loop() if loop_name == "uvloop" else asyncio.new_event_loop()
+    try:
+        upstream, accepted = loop.run_until_complete(go())
+    finally:
+        loop.close()
+    assert upstream and accepted

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import httptools
 
+from .._compat import nodelay
 from .answers import STATUS_PHRASES, error_response
 
 if TYPE_CHECKING:
@@ -90,6 +91,7 @@ class HttpConnection(asyncio.Protocol):
     # -- asyncio.Protocol ---------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        nodelay(transport)  # each SSE chunk leaves as written, not after the previous one's ACK
         peer = transport.get_extra_info("peername")
         sock = transport.get_extra_info("sockname")
         self.client = (peer[0], peer[1]) if isinstance(peer, tuple) else None
