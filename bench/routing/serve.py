@@ -1,7 +1,8 @@
 """The gateway process of the routing bench: ``python -m bench.routing.serve CONFIG.yaml PORT``.
 
-The same wiring as ``gateway serve``; when the run ends, the balancer's learnt state is written
-next to the config (``CONFIG.state.json``).
+The same wiring as ``gateway serve``, on the same HTTP/1.1 server (gateway/server, not uvicorn: the
+bench measures the gateway as it is deployed); when the run ends, the balancer's learnt state is
+written next to the config (``CONFIG.state.json``).
 """
 
 from __future__ import annotations
@@ -11,10 +12,9 @@ import logging
 import sys
 from pathlib import Path
 
-import uvicorn
-
 from gateway.app import Gateway
 from gateway.config import load_config
+from gateway.server import serve
 
 
 class BenchGateway(Gateway):
@@ -47,21 +47,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     gateway = BenchGateway(config)
     gateway.state_path = Path(argv[0]).with_suffix(".state.json")
-    server = uvicorn.Server(
-        uvicorn.Config(
-            gateway.asgi(),
-            host="127.0.0.1",
-            port=port,
-            loop="uvloop",
-            http="httptools",
-            lifespan="on",
-            access_log=False,
-            log_level="warning",
-            timeout_graceful_shutdown=5,
-        )
-    )
-    server.run()
-    return 0 if server.started else 1
+    return serve.run(gateway.asgi(), config.server, drain=5.0, host="127.0.0.1", port=port)
 
 
 if __name__ == "__main__":
