@@ -64,8 +64,8 @@ async def _client(port: int, head: bytes, body: bytes, n: int, out: list[tuple[f
         writer.close()
 
 
-async def _round(port: int, key: str | None, concurrency: int, requests: int, max_tokens: int) -> list[tuple[float, float]]:
-    body = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Say hello in one short sentence."}],
+async def _round(port: int, key: str | None, concurrency: int, requests: int, max_tokens: int, prompt: str) -> list[tuple[float, float]]:
+    body = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": prompt}],
                          "max_tokens": max_tokens, "stream": True})
     head = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
             + (f"authorization: Bearer {key}\r\n".encode() if key else b"")
@@ -90,10 +90,14 @@ def main() -> None:
     ap.add_argument("--ttft", type=float, default=0.02, help="the simulator's fixed latency before the engine")
     ap.add_argument("--tpot", type=float, default=0.005, help="the simulator's decode step")
     ap.add_argument("--targets", default="direct,gateway,gateway/uvicorn")
+    ap.add_argument("--prompt-chars", type=int, default=0, help="a longer prompt (the routing bench's are 1-4k chars): per-request work that grows with it")
     args = ap.parse_args()
     from gateway.filters.auth import hash_key, new_key
 
     key = new_key()
+    prompt = "Say hello in one short sentence."
+    if args.prompt_chars:
+        prompt = ("lorem ipsum dolor sit amet " * (args.prompt_chars // 27 + 1))[: args.prompt_chars]
     tmp = Path(tempfile.mkdtemp(prefix="gw-ttft-"))
     sim_port = free_port()
     targets = args.targets.split(",")
@@ -117,11 +121,11 @@ def main() -> None:
         results: dict[tuple[str, int], list[tuple[float, float]]] = {}
         for c in (int(x) for x in args.concurrency.split(",")):
             for t, (port, k) in ports.items():  # warm-up: connections, the balancer's first estimates
-                asyncio.run(_round(port, k, c, 2 * c, args.max_tokens))
+                asyncio.run(_round(port, k, c, 2 * c, args.max_tokens, prompt))
             for _ in range(args.rounds):
                 for t, (port, k) in ports.items():
-                    results.setdefault((t, c), []).extend(asyncio.run(_round(port, k, c, args.requests // args.rounds, args.max_tokens)))
-    print(f"sim --ttft {args.ttft} --tpot {args.tpot}, max_tokens {args.max_tokens}; ms; added = target - direct at the same quantile")
+                    results.setdefault((t, c), []).extend(asyncio.run(_round(port, k, c, args.requests // args.rounds, args.max_tokens, prompt)))
+    print(f"sim --ttft {args.ttft} --tpot {args.tpot}, max_tokens {args.max_tokens}, prompt {len(prompt)} chars; ms; added = target - direct at the same quantile")
     print(f"{'target':16} {'c':>3} {'n':>5} {'ttft p50':>9} {'p99':>7} {'e2e p50':>9} {'p99':>7} | {'added ttft p50':>14} {'p99':>7} {'mean':>7} | {'added e2e p50':>13} {'p99':>7} {'mean':>7}")
     for (t, c), rs in results.items():
         tt, ee = [r[0] * 1e3 for r in rs], [r[1] * 1e3 for r in rs]
