@@ -4,14 +4,16 @@ One simulated api_server (``python -m gateway.sim``, fixed timing), reached thre
   direct           the simulator itself
   gateway          ``gateway serve`` with the default config (our HTTP/1.1 server, our upstream client,
                    min_expected_latency with the gateway queue on)
-  gateway/uvicorn  the same app on uvicorn, as the routing bench serves it (bench/routing/serve.py)
+  gateway/uvicorn  the same app on uvicorn, as the routing bench served it until it moved to our server
+  gateway@TREE     ``gateway serve`` from another checkout (e.g. ``git archive main | tar -x -C TREE``):
+                   before and after a change, in one run
 
 Each client is a keep-alive HTTP/1.1 connection on a raw asyncio socket (no client library between
 the bytes and the clock). TTFT: request written -> the first ``data:`` frame read; end: -> the
 chunked terminator read. Targets take turns in short rounds so that drift on the shared machine
 hits them alike; the "added" columns are the gateway's figure minus direct's at the same quantile.
 
-    python bench/ttft_added.py [--concurrency 1,16] [--requests 240] [--rounds 4]
+    python bench/ttft_added.py [--concurrency 1,16] [--requests 240] [--rounds 4] [--targets direct,gateway,gateway@/tmp/base]
 """
 
 from __future__ import annotations
@@ -111,11 +113,14 @@ def main() -> None:
             if t == "direct":
                 ports[t] = (sim_port, None)
                 continue
-            http = t.partition("/")[2] or "native"
+            name, _, tree = t.partition("@")
+            http = name.partition("/")[2] or "native"
             port = free_port()
-            cfg = tmp / f"{http}.yaml"
+            cfg = tmp / f"{http}-{port}.yaml"
             gateway_config(cfg, sim_port, hash_key(key), "native", http)
-            stack.enter_context(process([sys.executable, "-m", "gateway", "serve", "--config", str(cfg), "--port", str(port)]))
+            # Another checkout's package first on the path (ahead of this one's editable install).
+            entry = ["-c", f"import sys, runpy; sys.path.insert(0, {tree!r}); runpy.run_module('gateway', run_name='__main__')"] if tree else ["-m", "gateway"]
+            stack.enter_context(process([sys.executable, *entry, "serve", "--config", str(cfg), "--port", str(port)]))
             wait_http(f"http://127.0.0.1:{port}/ready")
             ports[t] = (port, key)
         results: dict[tuple[str, int], list[tuple[float, float]]] = {}
@@ -126,12 +131,12 @@ def main() -> None:
                 for t, (port, k) in ports.items():
                     results.setdefault((t, c), []).extend(asyncio.run(_round(port, k, c, args.requests // args.rounds, args.max_tokens, prompt)))
     print(f"sim --ttft {args.ttft} --tpot {args.tpot}, max_tokens {args.max_tokens}, prompt {len(prompt)} chars; ms; added = target - direct at the same quantile")
-    print(f"{'target':16} {'c':>3} {'n':>5} {'ttft p50':>9} {'p99':>7} {'e2e p50':>9} {'p99':>7} | {'added ttft p50':>14} {'p99':>7} {'mean':>7} | {'added e2e p50':>13} {'p99':>7} {'mean':>7}")
+    print(f"{'target':24} {'c':>3} {'n':>5} {'ttft p50':>9} {'p99':>7} {'e2e p50':>9} {'p99':>7} | {'added ttft p50':>14} {'p99':>7} {'mean':>7} | {'added e2e p50':>13} {'p99':>7} {'mean':>7}")
     for (t, c), rs in results.items():
         tt, ee = [r[0] * 1e3 for r in rs], [r[1] * 1e3 for r in rs]
         base = results.get(("direct", c))
         bt, be = ([r[0] * 1e3 for r in base], [r[1] * 1e3 for r in base]) if base else (tt, ee)
-        print(f"{t:16} {c:>3} {len(rs):>5} {q(tt, .5):9.2f} {q(tt, .99):7.2f} {q(ee, .5):9.2f} {q(ee, .99):7.2f} | "
+        print(f"{t:24} {c:>3} {len(rs):>5} {q(tt, .5):9.2f} {q(tt, .99):7.2f} {q(ee, .5):9.2f} {q(ee, .99):7.2f} | "
               f"{q(tt, .5) - q(bt, .5):14.2f} {q(tt, .99) - q(bt, .99):7.2f} {statistics.fmean(tt) - statistics.fmean(bt):7.2f} | "
               f"{q(ee, .5) - q(be, .5):13.2f} {q(ee, .99) - q(be, .99):7.2f} {statistics.fmean(ee) - statistics.fmean(be):7.2f}")
 
