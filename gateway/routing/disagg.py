@@ -36,8 +36,8 @@ from typing import Any, Awaitable, Callable
 import orjson
 from prometheus_client import Counter
 
-from .. import metrics, tracing
-from ..config.balancer import DEFAULT_PRIORITY, QueueConfig
+from .. import metrics
+from ..config.balancer import QueueConfig
 from ..config.disagg import MIGRATION_PROTOCOL_VALUE, ModelServing
 from ..errors import Refusal, model_not_found, sse_error_event
 from ..filters import RequestContext
@@ -46,7 +46,7 @@ from .pd_policy import PDPicker, PDRequest
 from .pool import Backend, BackendPool
 from .policies import Outcome
 from .queue import LOW_PREFILL_AHEAD, Admission, GatewayQueue
-from .router import TIMEOUTS, UPSTREAM_FAILED, _read_sse_usage, _read_usage, backend_error, open_upstream, refuse_invalid
+from .router import TIMEOUTS, UPSTREAM_FAILED, _read_sse_usage, _read_usage, backend_error, open_upstream, queued_pick, refuse_invalid
 
 log = logging.getLogger("gateway.disagg")
 
@@ -393,11 +393,9 @@ class PDDispatcher:
                     return refusal.status
                 if attempt == 0 and self.queue is not None:
                     # The queue binds the prefill phase (picked and dispatched) when an instance has room.
-                    with tracing.child(ctx, "pick", candidates=len(ps), queued=True):
-                        admitted = await self.queue.acquire(req, ctx.key.name if ctx.key else "", ctx.key.priority if ctx.key else DEFAULT_PRIORITY)
-                    if isinstance(admitted, Refusal):
-                        await reply(admitted)
-                        return admitted.status
+                    admitted = await queued_pick(self.queue, ctx, req, len(ps), reply)
+                    if isinstance(admitted, int):
+                        return admitted
                     p, queued = admitted, True
                 else:
                     p = self.picker.pick(ps, req)

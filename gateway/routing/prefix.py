@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict, deque
-from typing import Any, Sequence
+from typing import Any
 
 CHARS_PER_TOKEN = 4
 MAX_PREFIX_CHARS = 8192

@@ -104,6 +104,18 @@ async def open_upstream(
         return None
 
 
+
+async def queued_pick(queue: GatewayQueue, ctx: RequestContext, req: Any, candidates: int, reply: Callable[[Refusal], Awaitable[None]]) -> Backend | int:
+    """Wait in the gateway queue for a backend (picked and dispatched there) on behalf of ctx's key;
+    a refusal is sent and its status returned. The hybrid router and the PD prefill phase share it."""
+    key = ctx.key
+    with tracing.child(ctx, "pick", candidates=candidates, queued=True):
+        admitted = await queue.acquire(req, key.name if key else "", key.priority if key else DEFAULT_PRIORITY)
+    if isinstance(admitted, Refusal):
+        await reply(admitted)
+        return admitted.status
+    return admitted
+
 class Router:
     def __init__(self, pool: BackendPool, balancer: Balancer, upstream: Upstream, retries: int = 1):
         self.pool = pool
@@ -151,11 +163,9 @@ class Router:
                 return refusal.status
             if attempt == 0 and self.queue is not None:
                 # The queue binds the request to a backend (picked and dispatched) when one has room.
-                with tracing.child(ctx, "pick", candidates=len(candidates), queued=True):
-                    admitted = await self.queue.acquire(req, ctx.key.name if ctx.key else "", ctx.key.priority if ctx.key else DEFAULT_PRIORITY)
-                if isinstance(admitted, Refusal):
-                    await reply(admitted)
-                    return admitted.status
+                admitted = await queued_pick(self.queue, ctx, req, len(candidates), reply)
+                if isinstance(admitted, int):
+                    return admitted
                 backend = admitted
             else:
                 with tracing.child(ctx, "pick", candidates=len(candidates)):
