@@ -3,6 +3,7 @@ the prefix memory, and two gateway replicas on one real redis-server routing a p
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -115,49 +116,16 @@ def _served_by(sims: list[Sim], marker: str) -> list[int]:
     return [j for j, s in enumerate(sims) if any(marker in json.dumps(r) for r in s.requests())]
 
 
-def test_a_prefix_first_routed_by_one_replica_is_routed_to_the_same_backend_by_the_other(keys, redis_server):
-    n = 4
-    sims = [Sim(MODEL, "--ttft", "0.5", "--tpot", "0", api_key="backend-secret") for _ in range(n)]
+@contextlib.contextmanager
+def _two_replicas(keys, n: int, ttft: str, state: dict):  # type: ignore[no-untyped-def]
+    """n sims and two gateway replicas on one Redis (``state``); every process stopped at the end."""
+    sims = [Sim(MODEL, "--ttft", ttft, "--tpot", "0", api_key="backend-secret") for _ in range(n)]
     try:
         backends = [{"url": s.url, "api_key": "backend-secret", "name": f"sim-{j}"} for j, s in enumerate(sims)]
-        cfg = gateway_config(keys, backends, state={"redis_url": redis_server.url, "prefix": "t" + secrets.token_hex(4), "lease_ttl": 3})
+        cfg = gateway_config(keys, backends, state={"prefix": "t" + secrets.token_hex(4), **state})
         a, b = GatewayServer(cfg), GatewayServer(cfg)
         try:
-            def post(gw: GatewayServer, body: dict) -> None:
-                r = httpx.post(gw.url + "/v1/chat/completions", headers={"authorization": f"Bearer {keys.alice}"}, json=body, timeout=30)
-                assert r.status_code == 200, r.text
-
-            # Replica a places n documents at once: with each in flight it spreads them over the backends.
-            threads = [threading.Thread(target=post, args=(a, _body(i, f"question-a-{i}"))) for i in range(n)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(30)
-            placed = {}
-            for i in range(n):
-                served = _served_by(sims, f"question-a-{i}")
-                assert len(served) == 1
-                placed[i] = served[0]
-            assert len(set(placed.values())) > 1  # spread: b cannot match them all by picking one backend
-
-            # b learns them through Redis (published with the next load exchange, 50 ms)...
-            bal = b.gateway.balancer
-            pool = b.gateway.pool
-            want = {}  # the keys the two questions on document i share (the document's)
-            for i in range(n):
-                ka = request_info(MODEL, _body(i, f"question-a-{i}")).prefix_keys
-                kb = request_info(MODEL, _body(i, f"question-b-{i}")).prefix_keys
-                want[i] = kb[:next((j for j, (x, y) in enumerate(zip(ka, kb)) if x != y), len(kb))]
-                assert len(want[i]) >= 5
-
-            def learnt() -> bool:
-                return all(bal.models(pool.get(f"sim-{placed[i]}")).prefixes.depth(want[i], bal.clock()) == len(want[i]) for i in range(n))
-
-            wait_until(learnt, 3, 0.02, "b learning a's placements")
-            # ...and sends each document's next question where a put the document.
-            for i in range(n):
-                post(b, _body(i, f"question-b-{i}"))
-                assert _served_by(sims, f"question-b-{i}") == [placed[i]], f"document {i}"
+            yield sims, a, b
         finally:
             a.stop()
             b.stop()
@@ -166,50 +134,78 @@ def test_a_prefix_first_routed_by_one_replica_is_routed_to_the_same_backend_by_t
             s.stop()
 
 
+def test_a_prefix_first_routed_by_one_replica_is_routed_to_the_same_backend_by_the_other(keys, redis_server):
+    n = 4
+    with _two_replicas(keys, n, "0.5", {"redis_url": redis_server.url, "lease_ttl": 3}) as (sims, a, b):
+        def post(gw: GatewayServer, body: dict) -> None:
+            r = httpx.post(gw.url + "/v1/chat/completions", headers={"authorization": f"Bearer {keys.alice}"}, json=body, timeout=30)
+            assert r.status_code == 200, r.text
+
+        # Replica a places n documents at once: with each in flight it spreads them over the backends.
+        threads = [threading.Thread(target=post, args=(a, _body(i, f"question-a-{i}"))) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        placed = {}
+        for i in range(n):
+            served = _served_by(sims, f"question-a-{i}")
+            assert len(served) == 1
+            placed[i] = served[0]
+        assert len(set(placed.values())) > 1  # spread: b cannot match them all by picking one backend
+
+        # b learns them through Redis (published with the next load exchange, 50 ms)...
+        bal = b.gateway.balancer
+        pool = b.gateway.pool
+        want = {}  # the keys the two questions on document i share (the document's)
+        for i in range(n):
+            ka = request_info(MODEL, _body(i, f"question-a-{i}")).prefix_keys
+            kb = request_info(MODEL, _body(i, f"question-b-{i}")).prefix_keys
+            want[i] = kb[:next((j for j, (x, y) in enumerate(zip(ka, kb)) if x != y), len(kb))]
+            assert len(want[i]) >= 5
+
+        def learnt() -> bool:
+            return all(bal.models(pool.get(f"sim-{placed[i]}")).prefixes.depth(want[i], bal.clock()) == len(want[i]) for i in range(n))
+
+        wait_until(learnt, 3, 0.02, "b learning a's placements")
+        # ...and sends each document's next question where a put the document.
+        for i in range(n):
+            post(b, _body(i, f"question-b-{i}"))
+            assert _served_by(sims, f"question-b-{i}") == [placed[i]], f"document {i}"
+
+
 def test_with_redis_down_each_replica_keeps_its_own_table_and_sharing_resumes_after(keys):
     from redisd import RedisServer
 
-    sims = [Sim(MODEL, "--ttft", "0", "--tpot", "0", api_key="backend-secret") for _ in range(2)]
-    try:
-        backends = [{"url": s.url, "api_key": "backend-secret", "name": f"sim-{j}"} for j, s in enumerate(sims)]
-        with RedisServer() as redis:
-            cfg = gateway_config(keys, backends, state={"redis_url": redis.url, "prefix": "t" + secrets.token_hex(4), "timeout": 0.2})
-            a, b = GatewayServer(cfg), GatewayServer(cfg)
-            try:
-                def post(gw: GatewayServer, body: dict) -> float:
-                    t0 = time.monotonic()
-                    r = httpx.post(gw.url + "/v1/chat/completions", headers={"authorization": f"Bearer {keys.alice}"}, json=body, timeout=10)
-                    assert r.status_code == 200, r.text
-                    return time.monotonic() - t0
+    with RedisServer() as redis, _two_replicas(keys, 2, "0", {"redis_url": redis.url, "timeout": 0.2}) as (_, a, b):
+        def post(gw: GatewayServer, body: dict) -> float:
+            t0 = time.monotonic()
+            r = httpx.post(gw.url + "/v1/chat/completions", headers={"authorization": f"Bearer {keys.alice}"}, json=body, timeout=10)
+            assert r.status_code == 200, r.text
+            return time.monotonic() - t0
 
-                def held_by(gw: GatewayServer, body: dict) -> set[str]:
-                    bal, ks = gw.gateway.balancer, request_info(MODEL, body).prefix_keys
-                    return {bk.id for bk in gw.gateway.pool if bal.models(bk).prefixes.depth(ks, bal.clock()) == len(ks)}
+        def held_by(gw: GatewayServer, body: dict) -> set[str]:
+            bal, ks = gw.gateway.balancer, request_info(MODEL, body).prefix_keys
+            return {bk.id for bk in gw.gateway.pool if bal.models(bk).prefixes.depth(ks, bal.clock()) == len(ks)}
 
-                redis.stop()
-                down = _body(0, "while redis is down")
-                assert post(a, down) < 2.0  # no Redis call holds a request up
-                wait_until(lambda: a.gateway.store.degraded, 5, 0.05, "a notices Redis is down")
-                assert len(held_by(a, down)) == 1  # a still remembers its own placement
-                assert post(a, _body(0, "again")) < 2.0
-                assert held_by(a, _body(0, "again")) == held_by(a, down)
-                assert held_by(b, down) == set()  # nothing reached b meanwhile
+        redis.stop()
+        down = _body(0, "while redis is down")
+        assert post(a, down) < 2.0  # no Redis call holds a request up
+        wait_until(lambda: a.gateway.store.degraded, 5, 0.05, "a notices Redis is down")
+        assert len(held_by(a, down)) == 1  # a still remembers its own placement
+        assert post(a, _body(0, "again")) < 2.0
+        assert held_by(a, _body(0, "again")) == held_by(a, down)
+        assert held_by(b, down) == set()  # nothing reached b meanwhile
 
-                redis.start()
-                wait_until(lambda: not a.gateway.store.degraded and not b.gateway.store.degraded, 10, 0.05, "recovery")
-                up = _body(1, "after the restart")
+        redis.start()
+        wait_until(lambda: not a.gateway.store.degraded and not b.gateway.store.degraded, 10, 0.05, "recovery")
+        up = _body(1, "after the restart")
 
-                def shared_again() -> bool:
-                    post(a, up)  # placed again (and published again) until b's subscription is back and hears it
-                    return len(held_by(a, up)) == 1 and held_by(b, up) == held_by(a, up)
+        def shared_again() -> bool:
+            post(a, up)  # placed again (and published again) until b's subscription is back and hears it
+            return len(held_by(a, up)) == 1 and held_by(b, up) == held_by(a, up)
 
-                wait_until(shared_again, 10, 0.1, "b learning a's placement again")
-            finally:
-                a.stop()
-                b.stop()
-    finally:
-        for s in sims:
-            s.stop()
+        wait_until(shared_again, 10, 0.1, "b learning a's placement again")
 
 
 def test_many_learnt_chains_on_one_backend_each_keep_their_own_depth():
@@ -227,3 +223,40 @@ def test_many_learnt_chains_on_one_backend_each_keep_their_own_depth():
     other.learn_placements(target, sent[target.id])
     memory = other.models(target).prefixes
     assert all(memory.depth(k, other.clock()) == len(k) for k in docs)
+
+
+def _receiving_cluster() -> tuple[object, ExpectedLatencyBalancer, Backend]:
+    """A Cluster as a replica holds it, its store never connected: only the message handler runs."""
+    from gateway.config import parse_config
+    from gateway.routing.pool import BackendPool
+    from gateway.state.cluster import Cluster
+    from gateway.state.redis import RedisStore
+
+    cfg = parse_config({"auth": {"disabled": True}, "backends": [{"url": "http://127.0.0.1:9"}],
+                        "state": {"redis_url": "redis://127.0.0.1:9/0", "prefix": "t"}})
+    pool = BackendPool(cfg.health)
+    target = _fleet()[0]
+    pool.add(target)
+    bal = _balancer(3)
+    return Cluster(RedisStore(cfg), pool, Backend, publish_backends=False, follow_backends=False, balancer=bal), bal, target
+
+
+CHAIN = list(prefix_keys("shared document " * 200))
+
+
+@pytest.mark.parametrize(("message", "learnt"), [
+    ({"from": "other", "p": {"a": [CHAIN]}}, True),  # well formed
+    ({"from": "other", "p": {"zz": [CHAIN]}}, False),  # a backend this replica does not have
+    ({"from": "other", "p": {"a": [CHAIN + [1] * 16]}}, False),  # longer than any prompt's chain
+    ({"from": "other", "p": {"a": [[*CHAIN[:-1], "x"]]}}, False),  # not all integers
+    ({"from": "other", "p": {"a": CHAIN}}, False),  # a flat key list, not chains
+    ({"from": "other", "p": [CHAIN]}, False),
+    ({"p": {"a": [CHAIN]}, "from": "other", "pad": "x" * (1 << 20)}, False),  # over the byte cap: not even parsed
+])
+def test_a_placements_message_is_bounded_and_validated_before_anything_is_learnt(message, learnt):
+    cluster, bal, target = _receiving_cluster()
+    cluster._on_placements(json.dumps(message).encode())
+    assert (bal.models(target).prefixes.depth(tuple(CHAIN), bal.clock()) == len(CHAIN)) is learnt
+    cluster._on_placements(b"{not json")  # ignored, never raised
+    cluster._on_placements(json.dumps({"from": cluster.store.replica, "p": {"a": [CHAIN]}}).encode())  # its own echo
+    assert (bal.models(target).prefixes.depth(tuple(CHAIN), bal.clock()) == len(CHAIN)) is learnt

@@ -79,6 +79,11 @@ def test_gateway_usage_reads_a_running_in_memory_gateway_through_its_admin_liste
             bad = httpx.get(admin, params={"key": "filed"}, headers={"authorization": f"Bearer {admin_key}"})
             assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_usage_query"
             assert httpx.get(admin).status_code == 401
+            assert httpx.get(admin, headers={"authorization": f"Bearer {other}"}).status_code == 401  # an API key is not the admin key
+            auth = {"authorization": f"Bearer {admin_key}"}
+            for query in ("since=nan", "since=-1", "since=1e300", "key=sha256:" + "A" * 64, "&".join(["since=1"] * 9)):
+                refused = httpx.get(f"{admin}?{query}", headers=auth)  # bounded, refused in the OpenAI shape, never a 500
+                assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_usage_query", query
             future = httpx.get(admin, params={"since": str(time.time() + 7200)}, headers={"authorization": f"Bearer {admin_key}"})
             assert future.status_code == 200 and future.json() == {"usage": []}
         finally:

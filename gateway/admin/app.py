@@ -177,7 +177,10 @@ class AdminApp:
     async def _usage(self, scope: Scope, send: Send) -> None:
         if self.usage is None:
             raise _Refused(NOT_FOUND)
-        query = parse_qs(scope.get("query_string", b"").decode("latin-1"), max_num_fields=8)
+        try:
+            query = parse_qs(scope.get("query_string", b"").decode("latin-1"), max_num_fields=8)
+        except ValueError:  # more fields than that
+            raise _Refused(_bad("too many query fields: key and since only", "invalid_usage_query")) from None
         key = (query.get("key") or [None])[0]
         since_text = (query.get("since") or [None])[0]
         if key is not None and not _KEY_HASH.match(key):

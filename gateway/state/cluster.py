@@ -35,6 +35,8 @@ DIRECTORY_EVERY = 1.0
 DIRECTORY_TTL_MS = 5000
 MAX_CHAINS_PER_BACKEND = 1024  # in one received placements message (a sender logs no more)
 MAX_CHAIN_KEYS = 16  # a prompt has at most len(routing.prefix.BOUNDARIES) keys
+# One sender's message is at most 1024 chains of 11 keys (~250 KB); anything larger is not one of ours.
+MAX_PLACEMENTS_BYTES = 1 << 20
 
 
 class Cluster:
@@ -114,6 +116,8 @@ class Cluster:
         return self.prefixes, orjson.dumps({"from": self.store.replica, "p": self.placements.drain()})
 
     def _on_placements(self, data: bytes | str) -> None:
+        if len(data) > MAX_PLACEMENTS_BYTES:
+            return  # checked before the parse: its cost stays bounded whatever lands on the channel
         try:
             msg = orjson.loads(data)
         except orjson.JSONDecodeError:
