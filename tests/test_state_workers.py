@@ -24,6 +24,18 @@ def _serve(cfg_path, *extra: str) -> subprocess.Popen[bytes]:
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
 
 
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to the supervisor (it stops its workers and their api_servers), SIGKILL to the group if it hangs."""
+    os.kill(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(5)
+    if proc.stderr:
+        proc.stderr.close()
+
+
 def test_workers_with_the_in_memory_store_are_refused_with_a_clear_message(keys, tmp_path):
     cfg = tmp_path / "gw.yaml"
     cfg.write_text(yaml.safe_dump({"auth": {"keys": keys.entries}, "backends": [{"url": "http://127.0.0.1:9"}]}))
@@ -74,14 +86,7 @@ def test_two_workers_share_one_port_one_launcher_and_the_limits(keys, redis_serv
         admitted = [one(limited) for _ in range(25)].count(200)
         assert admitted == 10  # one limit over both workers, not 10 per worker
     finally:
-        os.kill(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(5)
-        if proc.stderr:
-            proc.stderr.close()
+        _stop(proc)
     assert started
     wait_until(lambda: not any(alive(p) for p in started), 20, 0.1, "every worker and api_server gone")
 
@@ -143,11 +148,4 @@ def test_the_internal_key_reaches_the_workers_from_the_parent_and_never_redis(ke
                 assert opened == []
     finally:
         r.close()
-        os.kill(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(5)
-        if proc.stderr:
-            proc.stderr.close()
+        _stop(proc)
