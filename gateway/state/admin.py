@@ -26,6 +26,7 @@ import yaml
 
 from ..config import ApiKeyConfig, ConfigError, GatewayConfig, load_config
 from ..config.core import BUDGET_PERIODS
+from .base import UsageRow
 from .keys import key_from_record, key_to_record, read_file_records, valid_name, write_file_records
 
 EXIT_FAIL = 1
@@ -333,7 +334,7 @@ async def _update(args: argparse.Namespace) -> int:
 async def _usage(args: argparse.Namespace) -> int:
     cfg = _config_from(args)
     if cfg is not None and not cfg.state.redis_url and cfg.admin.enabled:
-        return _print_usage(args, await _usage_from_admin(args, cfg))
+        return _print_usage(args, *await _usage_from_admin(args, cfg))
     if cfg is None or not cfg.state.redis_url:
         raise CliError(
             "usage is read from the shared store or from a running gateway: give --config with `state.redis_url` "
@@ -353,22 +354,10 @@ async def _usage(args: argparse.Namespace) -> int:
             raise CliError(f"cannot reach Redis ({exc.__class__.__name__})") from None
     finally:
         await target.close()
-    names = {k.hash: k.name for k in keys}
-    return _print_usage(args, [
-        {
-            "key": names.get(r.key_hash, "?"),
-            "id": r.key_hash[7:15],
-            "model": r.model,
-            "requests": r.requests,
-            "prompt_tokens": r.prompt_tokens,
-            "completion_tokens": r.completion_tokens,
-            "estimated_requests": r.estimated,
-        }
-        for r in rows
-    ])
+    return _print_usage(args, rows, {k.hash: k.name for k in keys})
 
 
-async def _usage_from_admin(args: argparse.Namespace, cfg: GatewayConfig) -> list[dict[str, Any]]:
+async def _usage_from_admin(args: argparse.Namespace, cfg: GatewayConfig) -> tuple[list[UsageRow], dict[str, str]]:
     """The in-memory store lives in the running gateway: ask its admin listener (GET /admin/usage)."""
     import json
     import os
@@ -403,21 +392,29 @@ async def _usage_from_admin(args: argparse.Namespace, cfg: GatewayConfig) -> lis
         raise CliError(f"the admin listener at {url.split('?')[0]} answered {exc.code}: {message}") from None
     except (OSError, ValueError) as exc:
         raise CliError(f"cannot reach the gateway's admin listener at {url.split('?')[0]} ({exc}); is the gateway running?") from None
-    return [
+    try:
+        rows = [UsageRow(str(r["key_hash"]), str(r["model"]), int(r["prompt_tokens"]), int(r["completion_tokens"]),
+                         int(r["requests"]), int(r["estimated_requests"])) for r in data["usage"]]
+        names = {str(r["key_hash"]): str(r["key"]) for r in data["usage"]}
+    except (KeyError, TypeError, ValueError):
+        raise CliError(f"the admin listener at {url.split('?')[0]} answered something that is not usage") from None
+    return rows, names
+
+
+def _print_usage(args: argparse.Namespace, rows: list[UsageRow], names: dict[str, str]) -> int:
+    """The rows of either source (Redis, or a running gateway's admin listener), keys by name."""
+    out = [
         {
-            "key": r["key"],
-            "id": r["key_hash"][7:15],
-            "model": r["model"],
-            "requests": r["requests"],
-            "prompt_tokens": r["prompt_tokens"],
-            "completion_tokens": r["completion_tokens"],
-            "estimated_requests": r["estimated_requests"],
+            "key": names.get(r.key_hash, "?"),
+            "id": r.key_hash[7:15],
+            "model": r.model,
+            "requests": r.requests,
+            "prompt_tokens": r.prompt_tokens,
+            "completion_tokens": r.completion_tokens,
+            "estimated_requests": r.estimated,
         }
-        for r in data["usage"]
+        for r in rows
     ]
-
-
-def _print_usage(args: argparse.Namespace, out: list[dict[str, Any]]) -> int:
     if args.json:
         import json
 
