@@ -60,6 +60,21 @@ def period_id(period: str, now: float | None = None) -> str:
     return "total"
 
 
+_CURRENT: dict[str, tuple[int, str]] = {}  # period -> (the second it was computed in, its id)
+
+
+def current_period_id(period: str) -> str:
+    """``period_id`` of now, computed once a second (the limits ask for it on every request, and
+    gmtime + strftime cost more than the rest of a budget check). Periods start on whole seconds."""
+    sec = int(time.time())
+    hit = _CURRENT.get(period)
+    if hit is not None and hit[0] == sec:
+        return hit[1]
+    pid = period_id(period, sec)
+    _CURRENT[period] = (sec, pid)
+    return pid
+
+
 def period_seconds_left(period: str, now: float | None = None) -> int:
     """How long the current period's counter must be kept (0: forever)."""
     now = now if now is not None else time.time()
@@ -183,7 +198,7 @@ class LocalLimiter:
         t_level = self._level((h, "t"), tpm, now) if tpm else -1.0
         d = Decision(False, requests_left=r_level, tokens_left=t_level, requests_reset_ms=reset_ms)
         if key.budget_tokens:
-            used = self._budget.get((h, period_id(key.budget_period)), 0)
+            used = self._budget.get((h, current_period_id(key.budget_period)), 0)
             if used >= max(1, key.budget_tokens // share):
                 d.reason = "budget"
                 return d
@@ -226,5 +241,5 @@ class LocalLimiter:
         if lease:
             self._leases.get(h, {}).pop(lease, None)
         if key.budget_tokens and used > 0:
-            pid = (h, period_id(key.budget_period))
+            pid = (h, current_period_id(key.budget_period))
             self._budget[pid] = self._budget.get(pid, 0) + used

@@ -23,9 +23,8 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
-import math
-import secrets
 import time
 from collections import deque
 from typing import Any, Awaitable, TypeVar
@@ -34,15 +33,16 @@ import orjson
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import NoScriptError
 
 from .._compat import timeout as _timeout
 from ..config import ApiKeyConfig, ConfigError
 from . import stats
 from .base import HOUR, StateStore, UsageRow, hour_of
 from .keys import key_from_record, key_to_record
-from .limits import Admission, Decision, LocalLimiter, period_id, period_seconds_left
+from .limits import Admission, Decision, LocalLimiter, current_period_id, period_seconds_left
 from .memory import merge_rows
+from .resp import ReplyError, RespPipe
 
 log = logging.getLogger("gateway.state.redis")
 
@@ -187,6 +187,12 @@ class RedisStore(StateStore):
             health_check_interval=0,
             max_connections=256,
         )
+        # The hot path's scripts (admit, settle) go over their own lean pipelined connection (resp.py).
+        self.pipe = RespPipe(cfg.redis_url, cfg.timeout * 2)
+        self._key_names: dict[str, tuple[bytes, bytes, bytes, str]] = {}
+        self._replica_b = self.replica.encode()
+        self._admit_ids = itertools.count()
+        self._lease_ttl_ms = int(cfg.lease_ttl * 1000)
         self._admit = self.r.register_script(ADMIT)
         self._settle_script = self.r.register_script(SETTLE)
         self._renew = self.r.register_script(RENEW)
@@ -244,8 +250,7 @@ class RedisStore(StateStore):
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
         try:
-            for script in (self._admit, self._settle_script, self._renew):
-                script.sha = await self._call("script_load", self.r.script_load(script.script))
+            await self._load_scripts()
             await self._call("start", self.sync_keys())
             await self._heartbeat_once()
         except Exception as exc:
@@ -270,6 +275,7 @@ class RedisStore(StateStore):
             pass
         if self._pending:
             log.warning("stopping with %d usage and budget settle(s) that Redis never received (it is unreachable)", len(self._pending))
+        self.pipe.close()
         try:
             await self.r.aclose()
         except Exception:
@@ -363,24 +369,37 @@ class RedisStore(StateStore):
                     pass
 
     # -- limits ----------------------------------------------------------------------------------
-    def _rk(self, key: ApiKeyConfig, kind: str) -> str:
-        return f"{self._p}:rl:{key.hash[7:]}:{kind}"
+    def _names(self, key: ApiKeyConfig) -> tuple[bytes, bytes, bytes, str]:
+        """A key's Redis key names (rpm log, tpm bucket, lease set, budget prefix), made once per key:
+        the hot path asks for them on every admission and settle."""
+        names = self._key_names.get(key.hash)
+        if names is None:
+            if len(self._key_names) > 100_000:  # bounded: keys come and go while the gateway runs
+                self._key_names.clear()
+            h = key.hash[7:]
+            names = self._key_names[key.hash] = (
+                f"{self._p}:rl:{h}:r".encode(), f"{self._p}:rl:{h}:t".encode(), f"{self._p}:cc:{h}".encode(), f"{self._p}:bud:{h}:"
+            )
+        return names
 
-    def _lease_key(self, key: ApiKeyConfig) -> str:
-        return f"{self._p}:cc:{key.hash[7:]}"
+    def _lease_key(self, key: ApiKeyConfig) -> bytes:
+        return self._names(key)[2]
 
-    def _budget_key(self, key: ApiKeyConfig) -> str:
-        return f"{self._p}:bud:{key.hash[7:]}:{period_id(key.budget_period)}"
+    def _budget_key(self, key: ApiKeyConfig) -> bytes:
+        return (self._names(key)[3] + current_period_id(key.budget_period)).encode()
 
     async def _decide(self, key: ApiKeyConfig, reserve: int, lease: str) -> tuple[Decision, bool, int]:
         if not self._down():
-            keys = [self._rk(key, "r"), self._rk(key, "t"), self._lease_key(key), self._budget_key(key)]
+            r_key, t_key, cc_key, _ = self._names(key)
+            keys = [r_key, t_key, cc_key, self._budget_key(key)]
+            # The rpm log's member only has to be unique: this replica's id and a counter (no syscall).
             args = [key.rate_limit_rpm or 0, key.rate_limit_tpm or 0, key.max_concurrent or 0, reserve, lease,
-                    int(self.cfg.lease_ttl * 1000), key.budget_tokens or 0, secrets.token_hex(8)]
-            fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+                    self._lease_ttl_ms, key.budget_tokens or 0, b"%s.%d" % (self._replica_b, next(self._admit_ids))]
+            loop = asyncio.get_running_loop()
+            fut: asyncio.Future[Any] = loop.create_future()
             self._admits.append((keys, args, fut))
             if len(self._admits) == 1:
-                asyncio.get_running_loop().call_soon(self._send_admits)
+                loop.call_soon(self._send_admits)
             try:
                 res = await fut
             except Exception:
@@ -389,67 +408,77 @@ class RedisStore(StateStore):
                 ok, reason, retry, r, k, reset = res
                 d = Decision(bool(ok), reason.decode() if isinstance(reason, bytes) else reason, int(retry), float(r), float(k), int(reset))
                 if d.ok and lease:
-                    self._leases[lease] = (self._lease_key(key), lease)
+                    self._leases[lease] = (cc_key, lease)
                 return d, True, 1
         share = max(1, self.replicas)
         return self.fallback.admit(key, reserve, lease, share), False, share
 
-    async def _eval_many(self, op: str, calls: list[tuple[Any, list[str], list[Any]]]) -> list[Any]:
-        """Run scripts as one batch of EVALSHA commands on one connection: one write, one round
-        trip. The commands are packed here (redis-py's general packer costs more than the rest of
-        the request); a Redis that lost its scripts (restarted) gets them loaded and the batch
-        re-run once. Results may hold per-call exceptions."""
+    def _pack(self, calls: list[tuple[Any, list[bytes], list[Any]]]) -> bytes:
+        """EVALSHA commands in RESP, packed here: redis-py's general packer costs more than the script."""
+        buf: list[bytes] = []
+        for script, keys, args in calls:
+            buf.append(b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n$%d\r\n%d\r\n" % (3 + len(keys) + len(args), script.sha.encode(), len(str(len(keys))), len(keys)))
+            for item in keys:
+                buf += (b"$%d\r\n" % len(item), item, b"\r\n")
+            for a in args:
+                item = _arg(a)
+                buf += (b"$%d\r\n" % len(item), item, b"\r\n")
+        return b"".join(buf)
+
+    async def _eval_many(self, op: str, calls: list[tuple[Any, list[bytes], list[Any]]]) -> list[Any]:
+        """Run scripts as one batch of EVALSHA commands: one write, one round trip on the pipe. A Redis
+        that lost its scripts (restarted) gets them loaded and the batch re-run once. Results may hold
+        per-call ``ReplyError``s."""
         for attempt in (0, 1):
-            buf: list[bytes] = []
-            for script, keys, args in calls:
-                items = [b"EVALSHA", script.sha.encode(), b"%d" % len(keys), *[k.encode() for k in keys], *[_arg(a) for a in args]]
-                buf.append(b"*%d\r\n" % len(items))
-                for item in items:
-                    buf += (b"$%d\r\n" % len(item), item, b"\r\n")
-            results = await self._call(op, self._send_raw(b"".join(buf), len(calls)))
-            if attempt == 0 and any(isinstance(r, NoScriptError) for r in results):
-                for script in {id(c[0]): c[0] for c in calls}.values():
-                    script.sha = await self._call("script_load", self.r.script_load(script.script))
+            results = await self._call(op, self._send_raw(self._pack(calls), len(calls)))
+            if attempt == 0 and any(_noscript(r) for r in results):
+                await self._load_scripts()
                 continue
             return results
         raise AssertionError("unreachable")
 
+    async def _load_scripts(self) -> None:
+        for script in (self._admit, self._settle_script, self._renew):
+            script.sha = await self._call("script_load", self.r.script_load(script.script))
+
     async def _send_raw(self, packed: bytes, n: int) -> list[Any]:
-        pool = self.r.connection_pool
-        conn = await pool.get_connection()
-        try:
-            await conn.send_packed_command(packed, check_health=False)
-            out: list[Any] = []
-            for _ in range(n):
-                try:
-                    # No timeout context per reply (inf: none): the batch's deadline in _call bounds them all.
-                    out.append(await conn.read_response(timeout=math.inf))
-                except ResponseError as exc:  # an error reply to one command; the rest still follow
-                    out.append(exc)
-        except BaseException:
-            await conn.disconnect()  # half read: it must not go back to the pool as it is
-            raise
-        finally:
-            await pool.release(conn)
-        return out
+        """``n`` packed commands on the hot-path pipe, bounded by its deadline (state.timeout x 2)."""
+        return await self.pipe.request(packed, n)
 
     def _send_admits(self) -> None:
-        """Every admission asked for in this turn of the loop goes in one pipeline: one connection,
-        one write, one read, however many requests arrived together (each still one round trip)."""
+        """Every admission asked for in this turn of the loop goes in one write on the pipe, with no
+        task: the replies are handed out by a callback (one round trip however many arrived together)."""
         batch, self._admits = self._admits, []
-        if batch:
+        if not batch:
+            return
+        try:
+            fut = self.pipe.request(self._pack([(self._admit, keys, args) for keys, args, _ in batch]), len(batch))
+        except Exception as exc:  # pragma: no cover - packing our own arguments does not fail
+            self._admits_failed(batch, exc)
+            return
+        fut.add_done_callback(lambda f: self._admits_done(batch, f))
+
+    def _admits_done(self, batch: list[tuple[list[bytes], list[Any], asyncio.Future[Any]]], f: asyncio.Future[list[Any]]) -> None:
+        exc = f.exception()
+        if exc is not None:
+            stats.STATE_ERRORS.labels(op="admit").inc()
+            self._mark_down("admit")
+            self._admits_failed(batch, exc)
+            return
+        results = f.result()
+        if any(_noscript(r) for r in results):  # a restarted Redis (rare): reload, then run the batch again
             task = asyncio.get_running_loop().create_task(self._run_admits(batch))
             self._inflight.add(task)
             task.add_done_callback(self._inflight.discard)
-
-    async def _run_admits(self, batch: list[tuple[list[str], list[Any], asyncio.Future[Any]]]) -> None:
-        try:
-            results = await self._eval_many("admit", [(self._admit, keys, args) for keys, args, _ in batch])
-        except Exception as exc:
-            for _, _, fut in batch:
-                if not fut.done():
-                    fut.set_exception(exc)
             return
+        self._hand_out(batch, results)
+
+    def _admits_failed(self, batch: list[tuple[list[bytes], list[Any], asyncio.Future[Any]]], exc: BaseException) -> None:
+        for _, _, fut in batch:
+            if not fut.done():
+                fut.set_exception(exc)
+
+    def _hand_out(self, batch: list[tuple[list[bytes], list[Any], asyncio.Future[Any]]], results: list[Any]) -> None:
         for (_, _, fut), res in zip(batch, results):
             if fut.done():
                 continue
@@ -458,6 +487,14 @@ class RedisStore(StateStore):
                 fut.set_exception(res)
             else:
                 fut.set_result(res)
+
+    async def _run_admits(self, batch: list[tuple[list[bytes], list[Any], asyncio.Future[Any]]]) -> None:
+        try:
+            results = await self._eval_many("admit", [(self._admit, keys, args) for keys, args, _ in batch])
+        except Exception as exc:
+            self._admits_failed(batch, exc)
+            return
+        self._hand_out(batch, results)
 
     def _settle(self, adm: Admission, used: int, prompt: int, completion: int, estimated: bool, counted: bool) -> None:
         key = adm.key
@@ -472,7 +509,8 @@ class RedisStore(StateStore):
         # The budget is charged whoever admitted the request: one admitted by the fallback during an
         # outage is charged when its settle reaches Redis (a budget is never refunded, so late is exact).
         budget_ttl = period_seconds_left(key.budget_period, now) if key.budget_tokens else -1
-        keys = [self._rk(key, "t"), self._lease_key(key), self._budget_key(key), f"{self._p}:usage:{hour_of(now)}"]
+        _, t_key, cc_key, _ = self._names(key)
+        keys = [t_key, cc_key, self._budget_key(key), f"{self._p}:usage:{hour_of(now)}".encode()]
         args = [
             key.rate_limit_tpm or 0 if shared else 0,
             adm.reserved - used if shared else 0,
@@ -565,8 +603,7 @@ class RedisStore(StateStore):
         pipe.zrange(replicas, 0, -1)
         res = await self._call("heartbeat", pipe.execute(raise_on_error=False))
         if any(isinstance(r, NoScriptError) for r in res):  # a restarted Redis: load the scripts again
-            for script in (self._admit, self._settle_script, self._renew):
-                script.sha = await self._call("script_load", self.r.script_load(script.script))
+            await self._load_scripts()
         errors = [r for r in res if isinstance(r, Exception) and not isinstance(r, NoScriptError)]
         if errors:
             stats.STATE_ERRORS.labels(op="heartbeat").inc()
@@ -674,6 +711,10 @@ async def _hgetall_many(r: Any, keys: list[str]) -> list[dict[Any, Any]]:
     for k in keys:
         pipe.hgetall(k)
     return await pipe.execute()
+
+
+def _noscript(r: Any) -> bool:
+    return isinstance(r, ReplyError) and str(r).startswith("NOSCRIPT")
 
 
 def _arg(a: Any) -> bytes:

@@ -1,0 +1,136 @@
+"""The lean RESP pipe (gateway/state/resp.py) against a real redis-server: framing, replies in
+order across batches in flight, error replies in place, the handshake, deadlines and reconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import signal
+import time
+
+import pytest
+import redis as syncredis
+
+from gateway.state.resp import ReplyError, RespPipe, pack
+from redisd import RedisServer
+
+
+def _k(name: str) -> bytes:
+    return f"resp{secrets.token_hex(4)}:{name}".encode()
+
+
+async def test_a_batch_gets_its_replies_in_order_whatever_their_shape(redis_server):
+    pipe = RespPipe(redis_server.url, 2.0)
+    try:
+        k, big, h = _k("s"), _k("big"), _k("h")
+        value = os.urandom(1 << 20) + b"\r\n$5\r\n"  # larger than one read, and with RESP framing inside
+        batch = [
+            pack(b"SET", k, b"v"),
+            pack(b"GET", k),
+            pack(b"INCR", _k("n")),
+            pack(b"GET", _k("missing")),
+            pack(b"SET", big, value),
+            pack(b"GET", big),
+            pack(b"HSET", h, b"a", b"1", b"b", b"2"),
+            pack(b"EVAL", b"return {1, 'x', {2, 3}, redis.call('HGET', KEYS[1], 'b')}", b"1", h),
+        ]
+        got = await pipe.request(b"".join(batch), len(batch))
+        assert got == [b"OK", b"v", 1, None, b"OK", value, 2, [1, b"x", [2, 3], b"2"]]
+    finally:
+        pipe.close()
+
+
+async def test_many_batches_in_flight_on_one_connection_each_get_their_own_replies(redis_server):
+    pipe = RespPipe(redis_server.url, 2.0)
+    try:
+        k = _k("c")
+        futs = [pipe.request(pack(b"INCR", k) + pack(b"ECHO", b"%d" % i), 2) for i in range(500)]
+        results = await asyncio.gather(*futs)
+        assert results == [[i + 1, b"%d" % i] for i in range(500)]
+    finally:
+        pipe.close()
+
+
+async def test_an_error_reply_takes_its_place_and_the_rest_of_the_batch_still_arrives(redis_server):
+    pipe = RespPipe(redis_server.url, 2.0)
+    try:
+        k = _k("e")
+        batch = [pack(b"SET", k, b"not a number"), pack(b"INCR", k), pack(b"EVALSHA", b"0" * 40, b"0"), pack(b"GET", k)]
+        got = await pipe.request(b"".join(batch), len(batch))
+        assert got[0] == b"OK" and got[3] == b"not a number"
+        assert isinstance(got[1], ReplyError) and "not an integer" in str(got[1])
+        assert isinstance(got[2], ReplyError) and str(got[2]).startswith("NOSCRIPT")
+        assert await pipe.request(pack(b"PING"), 1) == [b"PONG"]  # the connection is still in step
+    finally:
+        pipe.close()
+
+
+async def test_the_url_selects_the_database_and_authenticates():
+    with RedisServer() as server:
+        with syncredis.Redis(port=server.port) as admin:
+            admin.config_set("requirepass", "s3cret")
+        k = _k("db")
+        pipe = RespPipe(f"redis://:s3cret@127.0.0.1:{server.port}/3", 2.0)
+        try:
+            assert await pipe.request(pack(b"SET", k, b"in 3"), 1) == [b"OK"]
+        finally:
+            pipe.close()
+        with syncredis.Redis(port=server.port, db=3, password="s3cret") as r3:
+            assert r3.get(k) == b"in 3"
+        wrong = RespPipe(f"redis://:nope@127.0.0.1:{server.port}/0", 2.0)
+        try:
+            with pytest.raises(ConnectionError, match="handshake"):
+                await wrong.request(pack(b"PING"), 1)
+        finally:
+            wrong.close()
+
+
+async def test_a_redis_that_stops_answering_fails_every_batch_in_flight_at_the_deadline_then_reconnects():
+    with RedisServer() as server:
+        pipe = RespPipe(server.url, 0.3)
+        try:
+            assert await pipe.request(pack(b"PING"), 1) == [b"PONG"]
+            assert server.proc is not None
+            os.kill(server.proc.pid, signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                first = pipe.request(pack(b"PING"), 1)
+                await asyncio.sleep(0.1)
+                second = pipe.request(pack(b"PING"), 1)  # younger: it fails with the first (replies could no longer be matched)
+                for fut in (first, second):
+                    with pytest.raises(TimeoutError):
+                        await fut
+                assert time.monotonic() - t0 < 1.5
+            finally:
+                os.kill(server.proc.pid, signal.SIGCONT)
+            assert await pipe.request(pack(b"PING"), 1) == [b"PONG"]  # a fresh connection
+        finally:
+            pipe.close()
+
+
+async def test_a_restart_fails_what_was_in_flight_and_the_next_request_connects_again():
+    with RedisServer() as server:
+        pipe = RespPipe(server.url, 2.0)
+        try:
+            assert await pipe.request(pack(b"PING"), 1) == [b"PONG"]
+            server.stop()
+            with pytest.raises(OSError):  # refused: nothing listens
+                await pipe.request(pack(b"PING"), 1)
+            server.start()
+            assert await pipe.request(pack(b"PING"), 1) == [b"PONG"]
+        finally:
+            pipe.close()
+
+
+async def test_a_closed_pipe_refuses_at_once(redis_server):
+    pipe = RespPipe(redis_server.url, 2.0)
+    assert await pipe.request(pack(b"PING"), 1) == [b"PONG"]
+    pipe.close()
+    with pytest.raises(ConnectionError):
+        await pipe.request(pack(b"PING"), 1)
+
+
+def test_only_redis_urls_are_taken():
+    with pytest.raises(ValueError, match="scheme"):
+        RespPipe("http://127.0.0.1:6379/0", 1.0)
