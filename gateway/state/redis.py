@@ -6,9 +6,11 @@
   Redis round trip per request. A full reload runs every ``state.key_refresh`` seconds and after
   every reconnect, so a missed message cannot leave a key stale for long.
 - Admission is one Lua script (``ADMIT``), one round trip: the rpm log, the tpm bucket, the concurrency
-  lease set and the budget counter, all at Redis's clock. Settling (``SETTLE``: refund or charge
-  tpm, drop the lease, count budget and usage) is batched: every few milliseconds one pipeline
-  carries the settles of every request that ended meanwhile.
+  lease set and the budget counter, all at Redis's clock. The admissions asked for in one turn of
+  the event loop go in one write on a lean pipelined connection (``resp.py``). Settling (refund or
+  charge tpm, drop the lease, count budget and usage) is batched: the settles of every request that
+  ended meanwhile are folded into one ``SETTLE_MANY`` call (``settle.py``) that rides on the next
+  admission write, or on its own after a few milliseconds when no admission comes.
 - Every call has a timeout (``state.timeout``). A failure marks Redis down for a second: known
   keys keep working from the cache, unknown keys are refused (the cache is the only source),
   limits fall back to ``LocalLimiter`` with each limit divided by the number of live replicas,
@@ -43,6 +45,7 @@ from .keys import key_from_record, key_to_record
 from .limits import Admission, Decision, LocalLimiter, current_period_id, period_seconds_left
 from .memory import merge_rows
 from .resp import ReplyError, RespPipe
+from .settle import SETTLE_MANY, Settle, settle_calls
 
 log = logging.getLogger("gateway.state.redis")
 
@@ -116,44 +119,6 @@ end
 return {1, '', 0, tostring(r), tostring(k), reset}
 """
 
-# KEYS: tpm bucket, lease set, budget counter, usage hash of this hour
-# ARGV: tpm, tokens to give back (negative: to take), lease id, tokens used, budget ttl (s, -1: no
-#       budget, 0: forever), usage field prefix, prompt, completion, estimated (0/1), usage ttl (s), counted (0/1)
-SETTLE = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local tpm = tonumber(ARGV[1])
-local back = tonumber(ARGV[2])
-if tpm > 0 and back ~= 0 then
-  local v = redis.call('HMGET', KEYS[1], 'l', 't')
-  local l = tonumber(v[1])
-  if l then
-    l = l + (now - tonumber(v[2])) * tpm / 60000
-    if l > tpm then l = tpm end
-    l = l + back
-    if l > tpm then l = tpm end
-    redis.call('HSET', KEYS[1], 'l', tostring(l), 't', now)
-    redis.call('PEXPIRE', KEYS[1], 120000)
-  end
-end
-if ARGV[3] ~= '' then redis.call('ZREM', KEYS[2], ARGV[3]) end
-local used = tonumber(ARGV[4])
-local bttl = tonumber(ARGV[5])
-if bttl >= 0 and used > 0 then
-  redis.call('INCRBY', KEYS[3], used)
-  if bttl > 0 then redis.call('EXPIRE', KEYS[3], bttl) end
-end
-if ARGV[11] == '1' then
-  local f = ARGV[6]
-  redis.call('HINCRBY', KEYS[4], f .. '|p', ARGV[7])
-  redis.call('HINCRBY', KEYS[4], f .. '|c', ARGV[8])
-  redis.call('HINCRBY', KEYS[4], f .. '|n', 1)
-  if ARGV[9] == '1' then redis.call('HINCRBY', KEYS[4], f .. '|e', 1) end
-  redis.call('EXPIRE', KEYS[4], tonumber(ARGV[10]))
-end
-return 1
-"""
-
 # KEYS: lease sets; ARGV[1]: ttl (ms), ARGV[2..]: the lease ids, one per key
 RENEW = """
 local t = redis.call('TIME')
@@ -190,17 +155,18 @@ class RedisStore(StateStore):
         # The hot path's scripts (admit, settle) go over their own lean pipelined connection (resp.py).
         self.pipe = RespPipe(cfg.redis_url, cfg.timeout * 2)
         self._key_names: dict[str, tuple[bytes, bytes, bytes, str]] = {}
+        self._usage_keys: dict[int, bytes] = {}  # this hour's usage hash name
         self._replica_b = self.replica.encode()
         self._admit_ids = itertools.count()
         self._lease_ttl_ms = int(cfg.lease_ttl * 1000)
         self._admit = self.r.register_script(ADMIT)
-        self._settle_script = self.r.register_script(SETTLE)
+        self._settle_many = self.r.register_script(SETTLE_MANY)
         self._renew = self.r.register_script(RENEW)
         self.fallback = LocalLimiter()
         self.replicas = 1  # live replicas last seen; the fallback divides limits by it
         self._down_until = 0.0
         self.degraded = False
-        self._pending: deque[tuple[list[str], list[Any]]] = deque()
+        self._pending: deque[Settle] = deque()
         self.max_pending = MAX_PENDING
         self._dropped_warned = 0.0
         self._admits: list[tuple[list[str], list[Any], asyncio.Future[Any]]] = []
@@ -438,7 +404,7 @@ class RedisStore(StateStore):
         raise AssertionError("unreachable")
 
     async def _load_scripts(self) -> None:
-        for script in (self._admit, self._settle_script, self._renew):
+        for script in (self._admit, self._settle_many, self._renew):
             script.sha = await self._call("script_load", self.r.script_load(script.script))
 
     async def _send_raw(self, packed: bytes, n: int) -> list[Any]:
@@ -447,25 +413,28 @@ class RedisStore(StateStore):
 
     def _send_admits(self) -> None:
         """Every admission asked for in this turn of the loop goes in one write on the pipe, with no
-        task: the replies are handed out by a callback (one round trip however many arrived together)."""
+        task: the replies are handed out by a callback (one round trip however many arrived together).
+        The settles waiting to be flushed ride along in the same write (one syscall fewer each time)."""
         batch, self._admits = self._admits, []
         if not batch:
             return
-        try:
-            fut = self.pipe.request(self._pack([(self._admit, keys, args) for keys, args, _ in batch]), len(batch))
-        except Exception as exc:  # pragma: no cover - packing our own arguments does not fail
-            self._admits_failed(batch, exc)
-            return
-        fut.add_done_callback(lambda f: self._admits_done(batch, f))
+        settles = settle_calls(self._take_settles()) if self._pending else []
+        calls = [(self._admit, keys, args) for keys, args, _ in batch] + [(self._settle_many, keys, args) for keys, args, _ in settles]
+        fut = self.pipe.request(self._pack(calls), len(calls))
+        fut.add_done_callback(lambda f: self._admits_done(batch, settles, f))
 
-    def _admits_done(self, batch: list[tuple[list[bytes], list[Any], asyncio.Future[Any]]], f: asyncio.Future[list[Any]]) -> None:
+    def _admits_done(self, batch: list[tuple[list[bytes], list[Any], asyncio.Future[Any]]],
+                     settles: list[tuple[list[bytes], list[Any], list[Settle]]], f: asyncio.Future[list[Any]]) -> None:
         exc = f.exception()
         if exc is not None:
             stats.STATE_ERRORS.labels(op="admit").inc()
             self._mark_down("admit")
             self._admits_failed(batch, exc)
+            self._requeue([s for _, _, carried in settles for s in carried])
             return
         results = f.result()
+        self._settled(settles, results[len(batch):])
+        results = results[: len(batch)]
         if any(_noscript(r) for r in results):  # a restarted Redis (rare): reload, then run the batch again
             task = asyncio.get_running_loop().create_task(self._run_admits(batch))
             self._inflight.add(task)
@@ -506,28 +475,25 @@ class RedisStore(StateStore):
         if not shared and not counted:
             return
         now = time.time()
+        _, t_key, cc_key, _ = self._names(key)
         # The budget is charged whoever admitted the request: one admitted by the fallback during an
         # outage is charged when its settle reaches Redis (a budget is never refunded, so late is exact).
-        budget_ttl = period_seconds_left(key.budget_period, now) if key.budget_tokens else -1
-        _, t_key, cc_key, _ = self._names(key)
-        keys = [t_key, cc_key, self._budget_key(key), f"{self._p}:usage:{hour_of(now)}".encode()]
-        args = [
-            key.rate_limit_tpm or 0 if shared else 0,
-            adm.reserved - used if shared else 0,
-            adm.lease if shared else "",
-            used,
-            budget_ttl,
-            f"{key.hash[7:]}|{adm.model}",
-            prompt,
-            completion,
-            1 if estimated else 0,
-            self.cfg.usage_retention_days * 86400,
-            1 if counted else 0,
-        ]
+        budget = key.budget_tokens
+        hour = hour_of(now)
+        usage_key = self._usage_keys.get(hour)
+        if usage_key is None:
+            self._usage_keys = {hour: f"{self._p}:usage:{hour}".encode()}
+            usage_key = self._usage_keys[hour]
+        settle = Settle(
+            t_key, (key.rate_limit_tpm or 0) if shared else 0, adm.reserved - used if shared else 0,
+            cc_key, adm.lease if shared else "",
+            self._budget_key(key) if budget else b"", used, period_seconds_left(key.budget_period, now) if budget else -1,
+            usage_key, f"{key.hash[7:]}|{adm.model}", prompt, completion, estimated, counted, self.cfg.usage_retention_days * 86400,
+        )
         if len(self._pending) >= self.max_pending:
             self._pending.popleft()
             self._dropped(1)
-        self._pending.append((keys, args))
+        self._pending.append(settle)
         self._wake.set()
 
     def _dropped(self, n: int) -> None:
@@ -541,24 +507,45 @@ class RedisStore(StateStore):
                 len(self._pending),
             )
 
+    def _take_settles(self) -> list[Settle]:
+        batch = list(self._pending)
+        self._pending.clear()
+        return batch
+
+    def _requeue(self, batch: list[Settle]) -> None:
+        """Kept for later (bounded): usage and budget are counted once Redis is back; leases expire on
+        their own. The batch goes back before what arrived meanwhile, so the oldest are the ones dropped."""
+        if not batch:
+            return
+        room = max(0, self.max_pending - len(self._pending))
+        if room < len(batch):
+            self._dropped(len(batch) - room)
+        self._pending.extendleft(reversed(batch[len(batch) - room :]))
+        self._wake.set()
+
+    def _settled(self, calls: list[tuple[list[bytes], list[Any], list[Settle]]], results: list[Any]) -> None:
+        """The replies to settle calls: a script Redis lost (restarted) sends its settles round again
+        (through the flusher, which loads it); any other error reply is counted and its settles dropped."""
+        failed = 0
+        for (_, _, carried), res in zip(calls, results):
+            if _noscript(res):
+                self._requeue(carried)
+            elif isinstance(res, Exception):
+                failed += 1
+        if failed:
+            stats.STATE_ERRORS.labels(op="settle").inc(failed)
+
     async def _flush(self) -> None:
         if not self._pending:
             return
-        batch = list(self._pending)
-        self._pending.clear()
+        batch = self._take_settles()
+        calls = settle_calls(batch)
         try:
-            results = await self._eval_many("settle", [(self._settle_script, keys, args) for keys, args in batch])
+            results = await self._eval_many("settle", [(self._settle_many, keys, args) for keys, args, _ in calls])
         except Exception:
-            # Kept for later (bounded): usage and budget are counted once Redis is back; leases expire on
-            # their own. The batch goes back before what arrived meanwhile, so the oldest are the ones dropped.
-            room = max(0, self.max_pending - len(self._pending))
-            if room < len(batch):
-                self._dropped(len(batch) - room)
-            self._pending.extendleft(reversed(batch[len(batch) - room :]))
+            self._requeue(batch)
             raise
-        failed = sum(1 for r in results if isinstance(r, Exception))
-        if failed:
-            stats.STATE_ERRORS.labels(op="settle").inc(failed)
+        self._settled(calls, results)
 
     async def _flusher(self) -> None:
         while not self._closing:

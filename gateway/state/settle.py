@@ -1,0 +1,143 @@
+"""Settling in Redis: the requests that ended meanwhile, folded into one script call.
+
+A settle gives back (or takes) tpm tokens, drops a concurrency lease, charges the budget and counts
+usage. One script call per request cost Redis more CPU than the admission itself (a script run and
+~9 commands each), so the settles gathered since the last write go as one ``SETTLE_MANY`` call (per
+``CHUNK`` of them), grouped by Redis key:
+
+- tpm buckets: refilled once, then each amount applied in order with the cap after each (what
+  settling them one by one would do, so a stream that ran over still takes its tokens);
+- lease sets: one ZREM of all the ids;
+- budgets: one INCRBY of the summed tokens (a budget only grows, so the sum is exact);
+- usage hashes (one per hour): one HINCRBY per field of the summed counts.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+CHUNK = 500  # settles per script call: bounds the script's run time and the Lua stack for unpack()
+
+SETTLE_MANY = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local k, i = 1, 2
+for _ = 1, tonumber(ARGV[1]) do -- tpm buckets: tpm, n, then n amounts to give back (negative: to take), in order
+  local tpm, n = tonumber(ARGV[i]), tonumber(ARGV[i + 1])
+  local v = redis.call('HMGET', KEYS[k], 'l', 't')
+  local l = tonumber(v[1])
+  if l then
+    l = l + (now - tonumber(v[2])) * tpm / 60000
+    if l > tpm then l = tpm end
+    for j = i + 2, i + 1 + n do
+      l = l + tonumber(ARGV[j])
+      if l > tpm then l = tpm end
+    end
+    redis.call('HSET', KEYS[k], 'l', tostring(l), 't', now)
+    redis.call('PEXPIRE', KEYS[k], 120000)
+  end
+  k, i = k + 1, i + 2 + n
+end
+local groups = tonumber(ARGV[i])
+i = i + 1
+for _ = 1, groups do -- lease sets: n, then n lease ids
+  local n = tonumber(ARGV[i])
+  redis.call('ZREM', KEYS[k], unpack(ARGV, i + 1, i + n))
+  k, i = k + 1, i + 1 + n
+end
+groups = tonumber(ARGV[i])
+i = i + 1
+for _ = 1, groups do -- budget counters: tokens, ttl (s, 0: forever)
+  redis.call('INCRBY', KEYS[k], ARGV[i])
+  local ttl = tonumber(ARGV[i + 1])
+  if ttl > 0 then redis.call('EXPIRE', KEYS[k], ttl) end
+  k, i = k + 1, i + 2
+end
+groups = tonumber(ARGV[i])
+i = i + 1
+for _ = 1, groups do -- usage hashes: ttl (s), n, then n (field, increment) pairs
+  local ttl, n = ARGV[i], tonumber(ARGV[i + 1])
+  for j = i + 2, i + 2 * n, 2 do redis.call('HINCRBY', KEYS[k], ARGV[j], ARGV[j + 1]) end
+  redis.call('EXPIRE', KEYS[k], ttl)
+  k, i = k + 1, i + 2 + 2 * n
+end
+return k - 1
+"""
+
+
+class Settle(NamedTuple):
+    """One ended request, as it waits to reach Redis (empty keys and zeros: nothing of that kind)."""
+
+    tpm_key: bytes
+    tpm: int  # 0: no tpm bucket to settle (no limit, or admitted by the local fallback)
+    back: int  # tokens to give back (negative: to take)
+    lease_key: bytes
+    lease: str  # "": no lease to drop
+    budget_key: bytes
+    used: int
+    budget_ttl: int  # -1: no budget; 0: kept forever
+    usage_key: bytes
+    field: str  # "<key hash>|<model>"
+    prompt: int
+    completion: int
+    estimated: bool
+    counted: bool  # False: nothing to count (the request got no answer)
+    usage_ttl: int
+
+
+def settle_calls(settles: list[Settle]) -> list[tuple[list[bytes], list[Any], list[Settle]]]:
+    """SETTLE_MANY calls (keys, args) for these settles, each with the settles it carries."""
+    return [_one_call(settles[i : i + CHUNK]) for i in range(0, len(settles), CHUNK)]
+
+
+def _one_call(settles: list[Settle]) -> tuple[list[bytes], list[Any], list[Settle]]:
+    tpm: dict[bytes, tuple[int, list[int]]] = {}
+    leases: dict[bytes, list[str]] = {}
+    budgets: dict[bytes, list[int]] = {}  # key -> [tokens, ttl]
+    usage: dict[bytes, tuple[int, dict[str, int]]] = {}
+    for s in settles:
+        if s.tpm > 0 and s.back != 0:
+            group = tpm.get(s.tpm_key)
+            if group is None:
+                group = tpm[s.tpm_key] = (s.tpm, [])
+            group[1].append(s.back)
+        if s.lease:
+            leases.setdefault(s.lease_key, []).append(s.lease)
+        if s.budget_ttl >= 0 and s.used > 0:
+            b = budgets.get(s.budget_key)
+            if b is None:
+                budgets[s.budget_key] = [s.used, s.budget_ttl]
+            else:
+                b[0] += s.used
+                b[1] = s.budget_ttl  # the latest settle's, as when each set its own
+        if s.counted:
+            hit = usage.get(s.usage_key)
+            if hit is None:
+                hit = usage[s.usage_key] = (s.usage_ttl, {})
+            fields = hit[1]
+            f = s.field
+            fields[f + "|p"] = fields.get(f + "|p", 0) + s.prompt
+            fields[f + "|c"] = fields.get(f + "|c", 0) + s.completion
+            fields[f + "|n"] = fields.get(f + "|n", 0) + 1
+            if s.estimated:
+                fields[f + "|e"] = fields.get(f + "|e", 0) + 1
+    keys: list[bytes] = []
+    args: list[Any] = [len(tpm)]
+    for key, (cap, backs) in tpm.items():
+        keys.append(key)
+        args += (cap, len(backs), *backs)
+    args.append(len(leases))
+    for key, ids in leases.items():
+        keys.append(key)
+        args += (len(ids), *ids)
+    args.append(len(budgets))
+    for key, (tokens, ttl) in budgets.items():
+        keys.append(key)
+        args += (tokens, ttl)
+    args.append(len(usage))
+    for key, (ttl, fields) in usage.items():
+        keys.append(key)
+        args += (ttl, len(fields))
+        for f, n in fields.items():
+            args += (f, n)
+    return keys, args, settles
