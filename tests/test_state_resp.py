@@ -76,8 +76,15 @@ async def test_the_url_selects_the_database_and_authenticates():
             assert await pipe.request(pack(b"SET", k, b"in 3"), 1) == [b"OK"]
         finally:
             pipe.close()
+        query = RespPipe(f"redis://:s3cret@127.0.0.1:{server.port}?db=4", 2.0)
+        try:
+            assert await query.request(pack(b"SET", k, b"in 4"), 1) == [b"OK"]
+        finally:
+            query.close()
         with syncredis.Redis(port=server.port, db=3, password="s3cret") as r3:
             assert r3.get(k) == b"in 3"
+        with syncredis.Redis(port=server.port, db=4, password="s3cret") as r4:
+            assert r4.get(k) == b"in 4"
         wrong = RespPipe(f"redis://:nope@127.0.0.1:{server.port}/0", 2.0)
         try:
             with pytest.raises(ConnectionError, match="handshake"):

@@ -19,7 +19,7 @@ import asyncio
 import ssl
 from collections import deque
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 import hiredis
 
@@ -47,7 +47,8 @@ class RespPipe:
         self._unix = u.path if u.scheme == "unix" else None
         self._host, self._port = u.hostname or "localhost", u.port or 6379
         self._ssl = ssl.create_default_context() if u.scheme == "rediss" else None
-        db = u.path.lstrip("/") if u.scheme != "unix" else ""
+        # The database as redis-py reads it: the path (redis://host/3) or ?db=3 (the only way for unix://).
+        db = parse_qs(u.query).get("db", [""])[0] or (u.path.lstrip("/") if u.scheme != "unix" else "")
         self._hello: list[bytes] = []  # commands every new connection runs first
         if u.password is not None:
             user = [unquote(u.username).encode()] if u.username else []
