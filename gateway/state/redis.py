@@ -100,8 +100,13 @@ if tpm > 0 then
   if k < reserve then return {0, 'tpm', math.ceil((reserve - k) * 60000 / tpm), tostring(r), tostring(k), reset} end
 end
 if conc > 0 then
-  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
-  if redis.call('ZCARD', KEYS[3]) >= conc then return {0, 'concurrency', 1000, tostring(r), tostring(k), reset} end
+  -- expired leases (their replica died) are dropped only when they could make a difference: at the cap
+  local held = redis.call('ZCARD', KEYS[3])
+  if held >= conc then
+    redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+    held = redis.call('ZCARD', KEYS[3])
+  end
+  if held >= conc then return {0, 'concurrency', 1000, tostring(r), tostring(k), reset} end
   redis.call('ZADD', KEYS[3], now + ttl, ARGV[5])
   redis.call('PEXPIRE', KEYS[3], ttl * 2)
 end
