@@ -289,13 +289,14 @@ class PDConnections:
 
 
 class PDDispatcher:
-    def __init__(self, pool: BackendPool, models: dict[str, ModelServing], retries: int = 1, control_timeout: float = 10.0):
+    def __init__(self, pool: BackendPool, models: dict[str, ModelServing], retries: int = 1, control_timeout: float = 10.0, slots: int | None = None):
+        """slots: every instance's batch slots when configured (``balancer.slots``)."""
         self.pool = pool
         self.models = {n: m for n, m in models.items() if m.distserve}
         self.retries = retries
         self.upstream: Any = None  # set at start-up, like the router's
         self.client: Any = None  # the control-plane httpx client, set at start-up
-        self.picker = PDPicker()
+        self.picker = PDPicker(slots=slots)
         self.conns = PDConnections(lambda: self.client, control_timeout, self.picker)
         self._tasks: set[asyncio.Task[Any]] = set()
         self.closing = False
@@ -375,7 +376,7 @@ class PDDispatcher:
         out = body.get("max_completion_tokens") or body.get("max_tokens")
         out = out if type(out) is int and out > 0 else None
         req = PDRequest(model=model, stream=body.get("stream") is True, prompt_tokens=tokens, max_tokens=out,
-                        prompt=prompt, decode_tokens=tokens + (out or 512))
+                        prompt=prompt, decode_tokens=tokens + (out or 512), out_tokens=out or 512)
         tried_p: set[str] = set()
         tried_d: set[str] = set()
         queued = False
@@ -410,7 +411,7 @@ class PDDispatcher:
                 # Decode instances as they are now: the request may have waited in the queue meanwhile.
                 ds = [b for b in self.pool.eligible(model) if b.role == "decode" and b.id not in tried_d] or ds
                 d = self.picker.pick_decode(ds, req.decode_tokens)
-                status = await self._decode_phase(p, d, result, serving, ctx, body, path, headers, send, reply, last, req.decode_tokens)
+                status = await self._decode_phase(p, d, result, serving, ctx, body, path, headers, send, reply, last, req)
                 if status is not None:
                     return status
                 tried_d.add(d.id)
@@ -470,7 +471,10 @@ class PDDispatcher:
             return result
         finally:
             self.picker.completed(p, req, outcome)
-            if self.queue is not None:  # its slot is free: the next waiter's prefill may start
+            # Its slot is free: the next waiter's prefill may start. After a prefill that succeeded,
+            # only once the request holds its decode slot (``_decode_phase``): woken before, a
+            # waiter would count neither this prefill nor this decode and take the decode slot too.
+            if self.queue is not None and not outcome.ok:
                 self.queue.wake(req.model)
 
     async def _decode_phase(
@@ -486,12 +490,17 @@ class PDDispatcher:
         send: Send,
         reply: Reply,
         last: bool,
-        tokens: int,
+        req: PDRequest,
     ) -> int | None:
-        """Connect, decode, relay. Frees the prefill blocks unless the decode finished. None: retry."""
+        """Connect, decode, relay. Frees the prefill blocks unless the decode finished. None: retry.
+        d's slot and KV are the request's from the first line (no await before it since the prefill ended)."""
         progress = {"done": False}  # set once the client has the whole answer, even if it leaves right after
         key = (p.id, d.id)
         shelved = False
+        run = self.picker.decode_started(d, req.decode_tokens, req.out_tokens)
+        d.in_flight += 1
+        if self.queue is not None:  # the prefill slot it left is free, its decode slot counted
+            self.queue.wake(req.model)
         try:
             try:
                 await self.conns.ensure(p, d, serving)
@@ -512,8 +521,10 @@ class PDDispatcher:
             }
             self.conns.shelf.setdefault(key, set()).add(pre.session_id)
             shelved = True
-            return await self._decode(d, ctx, orjson.dumps(decode_body), path, headers, send, reply, last, tokens, progress)
+            return await self._decode(d, ctx, orjson.dumps(decode_body), path, headers, send, reply, last, progress)
         finally:
+            d.in_flight -= 1
+            self.picker.decode_done(d, req.decode_tokens, run, ok=progress["done"])
             if shelved:
                 self.conns.shelf.get(key, set()).discard(pre.session_id)
             if not progress["done"]:
@@ -522,10 +533,8 @@ class PDDispatcher:
 
     async def _decode(
         self, d: Backend, ctx: RequestContext, payload: bytes, path: str, headers: list[tuple[bytes, bytes]],
-        send: Send, reply: Reply, last: bool, tokens: int, progress: dict[str, bool],
+        send: Send, reply: Reply, last: bool, progress: dict[str, bool],
     ) -> int | None:
-        self.picker.decode_started(d, tokens)
-        d.in_flight += 1
         outcome = Outcome(status=0, ok=False)
         try:
             response = await open_upstream(self.upstream, self.pool, d, path, payload, headers, reply, last)
@@ -566,8 +575,6 @@ class PDDispatcher:
             finally:
                 await response.aclose()
         finally:
-            d.in_flight -= 1
-            self.picker.decode_done(d, tokens)
             outcome.ok = progress["done"]
             ctx.backend, ctx.outcome = d.id, outcome  # usage for the limits' settling, the access log and the trace
 

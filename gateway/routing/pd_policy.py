@@ -16,17 +16,26 @@ For the gateway queue (``queue.Admission``) the picker is the binder of the pref
 that can start a request now. An instance has room while it has a free batch slot (its ``slots``
 less this gateway's and the other replicas' requests on it) and its predicted prefill queue is
 within ``hold``; an idle one always has. Nothing starts while no decode instance has KV room for
-the request (unless one is idle), so a full decode side holds requests in the gateway too.
+the request (unless one is idle), nor while the decode side has no batch slot for it: the free slots
+of the decode instances with KV room (each one's slots less every replica's decodes on it), now or
+predicted within ``hold``, must exceed the requests already prefilling (every replica's: each
+takes a decode slot when its prefill is done). So a burst waits in the gateway, not in full decode
+batches. A decode instance's slots: ``balancer.slots``, else the launcher's (the group's
+``max_batch_size``), raised by what its /metrics show (``signals.learn_slots``); unknown, it
+limits nothing. A slot is predicted to free when a decode running there is due to end: its output
+tokens (``max_tokens``) at the instance's learnt seconds per output token.
 """
 
 from __future__ import annotations
 
 import hashlib
+import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from .policies import Outcome, RequestInfo
 from .pool import Backend
+from .signals import Signals, learn_slots
 
 DEFAULT_SECONDS_PER_TOKEN = 1 / 20000  # until the first prefill on an instance is measured
 EWMA = 0.2
@@ -39,11 +48,22 @@ class _PrefillState:
     seconds_per_token: float = DEFAULT_SECONDS_PER_TOKEN
 
 
+@dataclass(slots=True, eq=False)
+class DecodeRun:
+    """One decode of this gateway on an instance: when it is due to end is predicted from it."""
+
+    started: float
+    out_tokens: int  # the output it may produce (max_tokens, or the picker's default)
+
+
 @dataclass
 class _DecodeState:
     running: int = 0
     reserved_tokens: int = 0
     capacity_tokens: int | None = None  # from /distserve/engine_info
+    learnt_slots: int | None = None  # from /metrics
+    seconds_per_token: float | None = None  # per output token, learnt from finished decodes
+    runs: list[DecodeRun] = field(default_factory=list)
 
 
 @dataclass(slots=True, eq=False)
@@ -52,11 +72,15 @@ class PDRequest(RequestInfo):
 
     prompt: bytes = field(default=b"", repr=False)  # the start decides prefix affinity
     decode_tokens: int = 0  # KV it will hold on the decode instance: prompt + output
+    out_tokens: int = 0  # output tokens it may produce: how long its decode holds a slot
 
 
 class PDPicker:
-    def __init__(self, affinity_slack: float = 0.25):
+    def __init__(self, affinity_slack: float = 0.25, slots: int | None = None, clock: Callable[[], float] = time.monotonic):
+        """slots: every instance's batch slots when configured (``balancer.slots``)."""
         self.affinity_slack = affinity_slack
+        self.slots = slots
+        self.clock = clock
         self._prefill: dict[str, _PrefillState] = {}
         self._decode: dict[str, _DecodeState] = {}
 
@@ -103,11 +127,33 @@ class PDPicker:
     def decode_fits(self, d: Backend, tokens: int) -> bool:
         return d.in_flight + d.remote_in_flight == 0 or self.decode_score(d, tokens)[0] == 0
 
+    def decode_slot_free(self, decodes: Sequence[Backend], prefilling: int, hold: float) -> bool:
+        """A decode slot for one more request: the decode instances' slots free now or predicted
+        free within ``hold`` exceed ``prefilling`` (requests whose prefill runs, each of which takes
+        one when done). An instance whose slots are unknown limits nothing."""
+        now = self.clock()
+        free = 0
+        for d in decodes:
+            slots = self.decode_slots(d)
+            if slots is None:
+                return True
+            st = self._decode.get(d.id)
+            ending = 0
+            if st is not None and st.seconds_per_token is not None:
+                ending = sum(1 for r in st.runs if r.started + r.out_tokens * st.seconds_per_token - now <= hold)
+            free += max(0, slots - d.in_flight - d.remote_in_flight + ending)  # every replica's decodes take its slots
+            if free > prefilling:
+                return True
+        return False
+
     def room(self, prefills: Sequence[Backend], decodes: Sequence[Backend], req: PDRequest, hold: float, reserve: float = 0.0) -> list[Backend]:
         """The prefill instances that can start req now: a free slot, at most ``hold`` seconds of
-        prefill queued, and a decode instance with KV room for it. ``reserve``: the share of each
-        prefill instance's slots to leave free (classes below interactive while interactive come)."""
-        if not any(self.decode_fits(d, req.decode_tokens) for d in decodes):
+        prefill queued, a decode instance with KV room for it and a decode slot (``decode_slot_free``).
+        ``reserve``: the share of each prefill instance's slots to leave free (classes below
+        interactive while interactive come)."""
+        fits = [d for d in decodes if self.decode_fits(d, req.decode_tokens)]
+        prefilling = sum(b.in_flight + b.remote_in_flight for b in prefills)  # every replica's
+        if not fits or not self.decode_slot_free(fits, prefilling, hold):
             return []
         return [b for b in prefills if self.prefill_fits(b, hold, reserve)]
 
@@ -124,6 +170,19 @@ class PDPicker:
     def set_capacity(self, b: Backend, tokens: int) -> None:
         self._decode.setdefault(b.id, _DecodeState()).capacity_tokens = tokens
 
+    def decode_slots(self, b: Backend) -> int | None:
+        """b's batch slots: configured, else launched, raised by what its /metrics showed."""
+        base = self.slots if self.slots is not None else b.slots
+        st = self._decode.get(b.id)
+        learnt = st.learnt_slots if st is not None else None
+        return base if learnt is None else max(base or 0, learnt)
+
+    def observe_signals(self, b: Backend, signals: Signals, changed: bool) -> None:
+        """A /metrics poll of decode instance b."""
+        if changed:
+            st = self._decode.setdefault(b.id, _DecodeState())
+            st.learnt_slots = learn_slots(self.decode_slots(b), signals)
+
     def decode_score(self, b: Backend, tokens: int) -> tuple[int, float]:
         st = self._decode.get(b.id) or _DecodeState()
         if st.capacity_tokens:
@@ -134,15 +193,27 @@ class PDPicker:
     def pick_decode(self, candidates: list[Backend], tokens: int) -> Backend:
         return min(candidates, key=lambda b: (*self.decode_score(b, tokens), b.in_flight))
 
-    def decode_started(self, b: Backend, tokens: int) -> None:
+    def decode_started(self, b: Backend, tokens: int, out_tokens: int = 0) -> DecodeRun:
+        """b takes one decode (its slot and ``tokens`` of KV) until ``decode_done``."""
         st = self._decode.setdefault(b.id, _DecodeState())
         st.running += 1
         st.reserved_tokens += tokens
+        run = DecodeRun(self.clock(), out_tokens)
+        st.runs.append(run)
+        return run
 
-    def decode_done(self, b: Backend, tokens: int) -> None:
+    def decode_done(self, b: Backend, tokens: int, run: DecodeRun | None = None, ok: bool = False) -> None:
+        """ok: the decode ran to its end, so its time teaches the instance's speed."""
         st = self._decode.setdefault(b.id, _DecodeState())
         st.running = max(0, st.running - 1)
         st.reserved_tokens = max(0, st.reserved_tokens - tokens)
+        if run is None:
+            return
+        if run in st.runs:
+            st.runs.remove(run)
+        if ok and run.out_tokens > 0:
+            spt = (self.clock() - run.started) / run.out_tokens
+            st.seconds_per_token = spt if st.seconds_per_token is None else st.seconds_per_token + EWMA * (spt - st.seconds_per_token)
 
     def forget(self, backend_id: str) -> None:
         self._prefill.pop(backend_id, None)
