@@ -179,7 +179,7 @@ class Gateway:
 
     async def shutdown(self) -> None:
         if self.disagg is not None:
-            self.disagg.closing = True  # instances stopping now are not "lost": no drops, no frees
+            self.disagg.close()
         if self.admin_server is not None:
             await self.admin_server.stop()
         if self.launcher is not None:

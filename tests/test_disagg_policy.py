@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import httpx
 import pytest
 
@@ -148,12 +150,22 @@ def test_a_decode_slot_due_to_free_within_hold_counts_as_free():
     run = picker.decode_started(d, 0, 100)
     clock.now += 1.0
     picker.decode_done(d, 0, run, ok=True)  # 100 tokens in 1 s: 10 ms a token
-    picker.decode_started(d, 0, 1000)  # due in 10 s
+    picker.decode_started(d, 0, 1000).first_at = clock.now  # streaming from now: due in 10 s
+    waiting = picker.decode_started(Backend(id="w", url="http://127.0.0.1:3", role="decode"), 0, 10)
+    clock.now += 50
+    assert waiting.due(clock.now, 0.01) == pytest.approx(clock.now + 0.1)  # no token yet: all its output is ahead
+    clock.now -= 50
     d.in_flight = 1
-    assert picker.room([p], [d], pd_req(), hold=0.5) == []
+    fit, wait = picker.room_or_wait([p], [d], pd_req(), hold=0.5)
+    assert fit == [] and wait == pytest.approx(10 - 0.5 - 100 / 20000)  # the queue looks again then: nothing else would wake it
+    other = Backend(id="remote", url="http://127.0.0.1:2", role="decode", healthy=True, slots=1, remote_in_flight=2)
+    assert picker.decode_slot_in([d, other], 0) == pytest.approx(10)
+    assert picker.decode_slot_in([d, other], 1) == math.inf  # the other's ends are not known here
     clock.now += 9.6  # due in 0.4 s
     assert picker.room([p], [d], pd_req(), hold=0.5) == [p]
     assert picker.room([p], [d], pd_req(), hold=0.1) == []
+    # A long prompt prefills for 1 s (20000 tokens at the default rate): the slot frees before it needs it.
+    assert picker.room([p], [d], pd_req(tokens=20000), hold=0.1) == [p]
     # Unknown speed (no decode finished there yet): no prediction.
     e = Backend(id="other", url="http://127.0.0.1:1", role="decode", healthy=True)
     e.slots, e.in_flight = 1, 1
@@ -214,6 +226,10 @@ def test_decode_prefers_light_load_and_kv_room():
     picker.decode_done(b, 8500)
     picker.decode_started(a, 1000)
     assert picker.pick_decode([a, b], 1000) is b
+    a.slots = b.slots = 2
+    b.remote_in_flight = 2  # b's slots taken through another replica: a, though it runs more of ours
+    a.in_flight = 1
+    assert picker.pick_decode([a, b], 1000) is a
 
 
 def test_a_failed_decode_is_retried_on_another_and_its_prefill_blocks_freed(keys, tmp_path, monkeypatch):

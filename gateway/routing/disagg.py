@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
@@ -42,7 +43,7 @@ from ..config.disagg import MIGRATION_PROTOCOL_VALUE, ModelServing
 from ..errors import Refusal, model_not_found, sse_error_event
 from ..filters import RequestContext
 from ..upstream import UpstreamFailure, UpstreamInvalid, UpstreamResponse, UpstreamTimeout, control_call
-from .pd_policy import PDPicker, PDRequest
+from .pd_policy import DecodeRun, PDPicker, PDRequest
 from .pool import Backend, BackendPool
 from .policies import Outcome
 from .queue import LOW_PREFILL_AHEAD, Admission, GatewayQueue
@@ -56,6 +57,7 @@ Reply = Callable[[Refusal], Awaitable[None]]
 PD_FREES = Counter("gateway_pd_cache_frees_total", "Prefill caches freed by the gateway, by why and outcome", ["why", "outcome"], registry=metrics.REGISTRY)
 PD_CONNECTS = Counter("gateway_pd_connects_total", "Prefill-decode connection set-ups, by outcome", ["outcome"], registry=metrics.REGISTRY)
 
+RECHECK_MIN = 0.01  # seconds: the soonest a predicted decode slot is looked at again (no busy loop on a stale prediction)
 MAX_CONTROL_BYTES = 64 * 1024  # a /distserve/* answer is a few hundred bytes
 MAX_PREFILL_BYTES = 16 * 1024 * 1024  # the prefill answer: one token plus the block ids
 MAX_BLOCK_IDS = 1 << 20
@@ -301,6 +303,7 @@ class PDDispatcher:
         self._tasks: set[asyncio.Task[Any]] = set()
         self.closing = False
         self.queue: GatewayQueue | None = None  # set by enable_queue
+        self._rechecks: dict[str, asyncio.TimerHandle] = {}  # by model: when a decode slot is predicted in time
         pool.on_change(self._backend_changed)
 
     def enable_queue(self, config: QueueConfig, clock: Callable[[], float]) -> GatewayQueue:
@@ -315,8 +318,36 @@ class PDDispatcher:
         adm = self.queue.admission  # type: ignore[union-attr]
         decodes = [b for b in self.pool.eligible(req.model) if b.role == "decode"]
         if adm.reserving(req.model, priority):  # leave slots and an empty prefill queue to interactive requests
-            return self.picker.room(prefills, decodes, req, min(adm.config.hold_wait, LOW_PREFILL_AHEAD), adm.config.reserve)
-        return self.picker.room(prefills, decodes, req, adm.config.hold_wait)
+            fit, wait = self.picker.room_or_wait(prefills, decodes, req, min(adm.config.hold_wait, LOW_PREFILL_AHEAD), adm.config.reserve)
+        else:
+            fit, wait = self.picker.room_or_wait(prefills, decodes, req, adm.config.hold_wait)
+        if not fit and wait < math.inf:
+            self._recheck(req.model, wait)
+        return fit
+
+    def _recheck(self, model: str, wait: float) -> None:
+        """Wake the queue when a decode slot is predicted in time: no response ends then, yet the
+        prefill must start then to overlap the decode it waits for. One timer per model, the earliest."""
+        loop = asyncio.get_running_loop()
+        at = loop.time() + max(wait, RECHECK_MIN)
+        timer = self._rechecks.get(model)
+        if timer is not None and not timer.cancelled() and timer.when() <= at:
+            return
+        if timer is not None:
+            timer.cancel()
+        self._rechecks[model] = loop.call_at(at, self._recheck_due, model)
+
+    def close(self) -> None:
+        """Shutting down: instances stopping now are not "lost" (no drops, no frees), no more rechecks."""
+        self.closing = True
+        for timer in self._rechecks.values():
+            timer.cancel()
+        self._rechecks.clear()
+
+    def _recheck_due(self, model: str) -> None:
+        self._rechecks.pop(model, None)
+        if self.queue is not None and not self.closing:
+            self.queue.wake(model)
 
     def serves(self, model: str) -> bool:
         return model in self.models
@@ -521,7 +552,7 @@ class PDDispatcher:
             }
             self.conns.shelf.setdefault(key, set()).add(pre.session_id)
             shelved = True
-            return await self._decode(d, ctx, orjson.dumps(decode_body), path, headers, send, reply, last, progress)
+            return await self._decode(d, ctx, orjson.dumps(decode_body), path, headers, send, reply, last, progress, run)
         finally:
             d.in_flight -= 1
             self.picker.decode_done(d, req.decode_tokens, run, ok=progress["done"])
@@ -533,7 +564,7 @@ class PDDispatcher:
 
     async def _decode(
         self, d: Backend, ctx: RequestContext, payload: bytes, path: str, headers: list[tuple[bytes, bytes]],
-        send: Send, reply: Reply, last: bool, progress: dict[str, bool],
+        send: Send, reply: Reply, last: bool, progress: dict[str, bool], run: DecodeRun,
     ) -> int | None:
         outcome = Outcome(status=0, ok=False)
         try:
@@ -553,7 +584,7 @@ class PDDispatcher:
                 else:
                     self.pool.report_success(d)
                 if response.status == 200 and response.is_event_stream:
-                    await self._relay_stream(d, ctx, response, send, progress, outcome)
+                    await self._relay_stream(d, ctx, response, send, progress, outcome, run)
                     return 200
                 try:
                     data = await self.upstream.read_all(response)
@@ -579,7 +610,7 @@ class PDDispatcher:
             ctx.backend, ctx.outcome = d.id, outcome  # usage for the limits' settling, the access log and the trace
 
     async def _relay_stream(
-        self, d: Backend, ctx: RequestContext, response: UpstreamResponse, send: Send, progress: dict[str, bool], outcome: Outcome
+        self, d: Backend, ctx: RequestContext, response: UpstreamResponse, send: Send, progress: dict[str, bool], outcome: Outcome, run: DecodeRun
     ) -> None:
         hdrs = list(response.headers) + [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
         await send({"type": "http.response.start", "status": 200, "headers": hdrs})
@@ -590,6 +621,7 @@ class PDDispatcher:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 if outcome.ttft is None:
                     outcome.ttft = time.monotonic() - started
+                    run.first_at = self.picker.clock()  # decoding from now: when its slot frees is predicted from here
                 if b'"usage"' in chunk:
                     _read_sse_usage(chunk, outcome)
                 if b'data: {"error"' in chunk:

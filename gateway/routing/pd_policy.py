@@ -7,7 +7,8 @@
   instance's prefix cache is reused without piling work on one instance.
 - **Decode** by decode load and KV room: fewer running decodes first, weighted by how full the KV
   cache would be with this request (capacity from ``/distserve/engine_info``: blocks x block size);
-  an instance that cannot hold the request is used only when none can.
+  an instance that cannot hold the request is used only when none can, one without a free batch slot
+  only when none has one (then the one whose slot is predicted to free first).
 
 State is the picker's own (keyed by backend id), learnt from what the dispatcher reports.
 
@@ -18,17 +19,19 @@ less this gateway's and the other replicas' requests on it) and its predicted pr
 within ``hold``; an idle one always has. Nothing starts while no decode instance has KV room for
 the request (unless one is idle), nor while the decode side has no batch slot for it: the free slots
 of the decode instances with KV room (each one's slots less every replica's decodes on it), now or
-predicted within ``hold``, must exceed the requests already prefilling (every replica's: each
+predicted within ``hold`` after its own prefill is predicted done, must exceed the requests already prefilling (every replica's: each
 takes a decode slot when its prefill is done). So a burst waits in the gateway, not in full decode
 batches. A decode instance's slots: ``balancer.slots``, else the launcher's (the group's
 ``max_batch_size``), raised by what its /metrics show (``signals.learn_slots``); unknown, it
 limits nothing. A slot is predicted to free when a decode running there is due to end: its output
-tokens (``max_tokens``) at the instance's learnt seconds per output token.
+tokens (``max_tokens``) from its first at the instance's learnt seconds per output token. The queue
+is woken when that time comes (``PDDispatcher``): no response ends then to wake it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -54,6 +57,12 @@ class DecodeRun:
 
     started: float
     out_tokens: int  # the output it may produce (max_tokens, or the picker's default)
+    first_at: float | None = None  # its first token (a stream's): before it, it migrates or waits for a slot
+
+    def due(self, now: float, seconds_per_token: float) -> float:
+        """When it is predicted to end: its output at the instance's speed from its first token
+        (from now while it has none: a decode that waits has all of its output ahead)."""
+        return (self.first_at if self.first_at is not None else max(now, self.started)) + self.out_tokens * seconds_per_token
 
 
 @dataclass
@@ -62,7 +71,7 @@ class _DecodeState:
     reserved_tokens: int = 0
     capacity_tokens: int | None = None  # from /distserve/engine_info
     learnt_slots: int | None = None  # from /metrics
-    seconds_per_token: float | None = None  # per output token, learnt from finished decodes
+    seconds_per_token: float | None = None  # per output token from the first, learnt from finished decodes
     runs: list[DecodeRun] = field(default_factory=list)
 
 
@@ -127,35 +136,49 @@ class PDPicker:
     def decode_fits(self, d: Backend, tokens: int) -> bool:
         return d.in_flight + d.remote_in_flight == 0 or self.decode_score(d, tokens)[0] == 0
 
-    def decode_slot_free(self, decodes: Sequence[Backend], prefilling: int, hold: float) -> bool:
-        """A decode slot for one more request: the decode instances' slots free now or predicted
-        free within ``hold`` exceed ``prefilling`` (requests whose prefill runs, each of which takes
-        one when done). An instance whose slots are unknown limits nothing."""
+    def decode_slot_in(self, decodes: Sequence[Backend], prefilling: int) -> float:
+        """Seconds until the decode instances are predicted to have a batch slot for one more request
+        beyond ``prefilling`` (requests whose prefill runs: each takes one when done): 0 when free now,
+        inf when not predicted. An instance whose slots are unknown limits nothing."""
         now = self.clock()
         free = 0
+        ends: list[float] = []
         for d in decodes:
             slots = self.decode_slots(d)
             if slots is None:
-                return True
+                return 0.0
+            busy = d.in_flight + d.remote_in_flight  # every replica's decodes take its slots
+            free += max(0, slots - busy)
             st = self._decode.get(d.id)
-            ending = 0
             if st is not None and st.seconds_per_token is not None:
-                ending = sum(1 for r in st.runs if r.started + r.out_tokens * st.seconds_per_token - now <= hold)
-            free += max(0, slots - d.in_flight - d.remote_in_flight + ending)  # every replica's decodes take its slots
-            if free > prefilling:
-                return True
-        return False
+                due = sorted(max(0.0, r.due(now, st.seconds_per_token) - now) for r in st.runs)
+                ends += due[max(0, busy - slots):]  # the first to end only bring an over-full instance back to its slots
+        if free > prefilling:
+            return 0.0
+        ends.sort()
+        k = prefilling - free  # ends before the one that frees a slot for this request
+        return ends[k] if k < len(ends) else math.inf
+
+    def room_or_wait(self, prefills: Sequence[Backend], decodes: Sequence[Backend], req: PDRequest, hold: float, reserve: float = 0.0) -> tuple[list[Backend], float]:
+        """``room``, and when it is empty only for want of a decode slot, the seconds until one is
+        predicted in time (inf otherwise): nothing else may wake the queue then."""
+        fits = [d for d in decodes if self.decode_fits(d, req.decode_tokens)]
+        ready = [b for b in prefills if self.prefill_fits(b, hold, reserve)]
+        if not fits or not ready:
+            return [], math.inf
+        prefilling = sum(b.in_flight + b.remote_in_flight for b in prefills)  # every replica's
+        # Its decode starts once its prefill is done: a slot that frees by then (plus hold) is in time,
+        # and the prefill overlaps the wait for it instead of following it.
+        lead = min(self.predicted_wait(b, req.prompt_tokens) for b in ready)
+        wait = self.decode_slot_in(fits, prefilling) - hold - lead
+        return (ready, 0.0) if wait <= 0 else ([], wait)
 
     def room(self, prefills: Sequence[Backend], decodes: Sequence[Backend], req: PDRequest, hold: float, reserve: float = 0.0) -> list[Backend]:
         """The prefill instances that can start req now: a free slot, at most ``hold`` seconds of
-        prefill queued, a decode instance with KV room for it and a decode slot (``decode_slot_free``).
-        ``reserve``: the share of each prefill instance's slots to leave free (classes below
-        interactive while interactive come)."""
-        fits = [d for d in decodes if self.decode_fits(d, req.decode_tokens)]
-        prefilling = sum(b.in_flight + b.remote_in_flight for b in prefills)  # every replica's
-        if not fits or not self.decode_slot_free(fits, prefilling, hold):
-            return []
-        return [b for b in prefills if self.prefill_fits(b, hold, reserve)]
+        prefill queued, a decode instance with KV room for it and a decode slot for it
+        (``decode_slot_in``) by the time its prefill is done, within ``hold``. ``reserve``: the share
+        of each prefill instance's slots to leave free (classes below interactive while interactive come)."""
+        return self.room_or_wait(prefills, decodes, req, hold, reserve)[0]
 
     def prefill_started(self, b: Backend, tokens: int) -> None:
         self._prefill.setdefault(b.id, _PrefillState()).outstanding_tokens += tokens
@@ -191,7 +214,13 @@ class PDPicker:
         return 0, float(st.running + 1)
 
     def pick_decode(self, candidates: list[Backend], tokens: int) -> Backend:
-        return min(candidates, key=lambda b: (*self.decode_score(b, tokens), b.in_flight))
+        """KV room first, then a batch slot (free, else the soonest predicted to free: a full
+        instance queues the decode in its engine), then the lightest load."""
+        def key(b: Backend) -> tuple[int, float, float, int]:
+            over, score = self.decode_score(b, tokens)
+            return over, self.decode_slot_in((b,), 0), score, b.in_flight
+
+        return min(candidates, key=key)
 
     def decode_started(self, b: Backend, tokens: int, out_tokens: int = 0) -> DecodeRun:
         """b takes one decode (its slot and ``tokens`` of KV) until ``decode_done``."""
@@ -212,7 +241,8 @@ class PDPicker:
         if run in st.runs:
             st.runs.remove(run)
         if ok and run.out_tokens > 0:
-            spt = (self.clock() - run.started) / run.out_tokens
+            # From its first token: time spent waiting for a slot in the engine is not speed.
+            spt = (self.clock() - (run.first_at if run.first_at is not None else run.started)) / run.out_tokens
             st.seconds_per_token = spt if st.seconds_per_token is None else st.seconds_per_token + EWMA * (spt - st.seconds_per_token)
 
     def forget(self, backend_id: str) -> None:
