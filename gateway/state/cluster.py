@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import orjson
 
-from .redis import RedisStore
+from .redis import RedisStore, stop_tasks
 
 log = logging.getLogger("gateway.state.cluster")
 
@@ -77,13 +77,10 @@ class Cluster:
             self._task = loop.create_task(self._directory_loop())
 
     async def stop(self) -> None:
-        for task in (self._task, self._load_task):
-            if task is not None:
-                task.cancel()
-                try:
-                    await task
-                except BaseException:
-                    pass
+        tasks = [t for t in (self._task, self._load_task, *self._sends) if t is not None]
+        pending = await stop_tasks(tasks, self.store.cfg.timeout * 2)
+        if pending:
+            log.error("%d cluster task(s) did not stop at shutdown: %s", len(pending), pending)
 
     # -- load ------------------------------------------------------------------------------------
     async def _load_loop(self) -> None:
