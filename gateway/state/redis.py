@@ -167,19 +167,28 @@ return #KEYS
 """
 
 
+RECANCEL_EVERY = 0.05  # seconds between cancellations of a task that lost one (stop_tasks)
+
+
 async def stop_tasks(tasks: Iterable[asyncio.Task[Any]], timeout: float) -> set[asyncio.Task[Any]]:
     """Cancel tasks and wait for them, at most ``timeout``; the ones still running are returned.
-    The caller's own cancellation is not swallowed (shutdown must stay stoppable), and the tasks'
+    A cancellation can be lost (on 3.11 a timeout that expires at the same moment turns it into a
+    TimeoutError, which a retrying loop then catches): it is sent again until the task ends. The
+    caller's own cancellation is not swallowed (shutdown must stay stoppable), and the tasks'
     exceptions are retrieved (each was logged where it happened)."""
-    tasks = set(tasks)
-    if not tasks:
-        return set()
-    for t in tasks:
-        t.cancel()
-    done, pending = await asyncio.wait(tasks, timeout=timeout)
-    for t in done:
-        if not t.cancelled():
-            t.exception()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    pending = set(tasks)
+    while pending:
+        for t in pending:
+            t.cancel()
+        left = deadline - loop.time()
+        if left <= 0:
+            break
+        done, pending = await asyncio.wait(pending, timeout=min(left, RECANCEL_EVERY))
+        for t in done:
+            if not t.cancelled():
+                t.exception()
     return pending
 
 
