@@ -65,7 +65,7 @@ class Gateway:
         self.router.access = RouteAccess({name: m.routes for name, m in config.models.items()})
         self.disagg: PDDispatcher | None = None
         if any(m.distserve for m in config.models.values()):
-            self.disagg = self.router.disagg = PDDispatcher(self.pool, config.models, retries=config.balancer.retries)
+            self.disagg = self.router.disagg = PDDispatcher(self.pool, config.models, retries=config.balancer.retries, slots=config.balancer.slots)
         self.queue: GatewayQueue | None = None
         if config.balancer.queue.enabled and self.balancer.predicts:
             self.queue = self.router.queue = GatewayQueue(Admission(config.balancer.queue, self.balancer, self.pool.eligible, time.monotonic))
@@ -101,6 +101,8 @@ class Gateway:
 
     def _observe_signals(self, b: Backend, signals: Signals, changed: bool) -> None:
         self.balancer.observe_signals(b, signals, changed)
+        if b.role == "decode" and self.disagg is not None:
+            self.disagg.picker.observe_signals(b, signals, changed)  # its batch slots, for PD admission
         self._wake_queues()
 
     def _wake_queues(self) -> None:
@@ -157,8 +159,9 @@ class Gateway:
             self.admin_server = await start_server(self.admin, admin.host, admin.port, self.config.server, drain=min(self.config.timeouts.drain, 5.0))
             log.info("admin listener on http://%s:%d (status page: /status)", admin.host, self.admin_server.port)
         interval = self.config.balancer.scrape_interval
-        if interval > 0 and self.balancer.reads_signals:
-            # Backend gauges (queue, running, KV use) for the policies that read them.
+        if interval > 0 and (self.balancer.reads_signals or self.disagg is not None):
+            # Backend gauges (queue, running, KV use) for the policies that read them and the PD
+            # picker (decode instances' batch slots).
             self.scraper = MetricsScraper(lambda: self.pool, self._observe_signals, interval=interval, client=self.control_client)
             self.scraper.start()
         for d in self.discovery:
@@ -176,7 +179,7 @@ class Gateway:
 
     async def shutdown(self) -> None:
         if self.disagg is not None:
-            self.disagg.closing = True  # instances stopping now are not "lost": no drops, no frees
+            self.disagg.close()
         if self.admin_server is not None:
             await self.admin_server.stop()
         if self.launcher is not None:

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import math
+
 import httpx
 import pytest
 
+from gateway.config.balancer import DEFAULT_PRIORITY, QueueConfig
 from gateway.routing.pd_policy import PDPicker, PDRequest
 from gateway.routing.policies import Outcome
 from gateway.routing.pool import Backend
+from gateway.routing.queue import Admission, Waiter
+from gateway.routing.signals import Signals
 from support import GatewayServer, wait_until
 from test_disagg_e2e import ds, instances, pd_config, recorded, sim_control
 
@@ -82,6 +87,109 @@ def test_nothing_starts_while_no_decode_instance_has_kv_room_unless_one_is_idle(
     assert picker.room([p], [d1, d2], pd_req(decode_tokens=2000), 0.5) == [p]  # too big for any, but d1 is idle: never stuck
 
 
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize(
+    ("slots", "ours", "theirs", "prefilling", "fits"),
+    [
+        (None, 5, 0, 5, True),  # slots unknown: they limit nothing (KV still does)
+        (2, 1, 0, 0, True),
+        (2, 2, 0, 0, False),  # every slot taken by ours
+        (2, 1, 1, 0, False),  # ... by ours and another replica's
+        (2, 0, 0, 2, False),  # idle, but two requests prefilling will take both slots
+        (3, 0, 1, 1, True),  # one of three left for this one
+    ],
+)
+def test_decode_slots_count_every_replicas_decodes_and_the_requests_prefilling(slots, ours, theirs, prefilling, fits):
+    picker = PDPicker()
+    p, other = backends(2, "prefill")
+    (d,) = backends(1, "decode")
+    d.slots = slots
+    for _ in range(ours):
+        picker.decode_started(d, 10, 10)
+        d.in_flight += 1
+    d.remote_in_flight = theirs
+    other.remote_in_flight = prefilling  # prefills run elsewhere count as much as ours on p
+    assert (picker.room([p, other], [d], pd_req(), 0.5) == [p, other]) is fits
+
+
+def test_a_full_decode_side_holds_the_request_in_the_queue_until_a_decode_ends():
+    clock = Clock()
+    picker = PDPicker(clock=clock)
+    (p,) = backends(1, "prefill")
+    p.slots = 8
+    (d,) = backends(1, "decode")
+    d.slots = 1
+    adm = Admission(QueueConfig(hold_wait=0.5), picker, lambda model: [p], clock, room=lambda ps, req, prio: picker.room(ps, [d], req, 0.5))
+    first, second = pd_req(), pd_req()
+    assert adm.admit(first, "k", DEFAULT_PRIORITY) is p  # the decode slot is free
+    w = adm.admit(second, "k", DEFAULT_PRIORITY)  # p has 7 free slots, but first will take the one decode slot
+    assert isinstance(w, Waiter)
+    picker.completed(p, first, Outcome(status=200, ok=True, ttft=0.1))
+    run = picker.decode_started(d, first.decode_tokens, 10)  # as the dispatcher does, then it wakes the queue
+    d.in_flight += 1
+    assert adm.drain("m") == [] and adm.waiting() == 1  # decoding now: still full
+    clock.now += 2.0
+    d.in_flight -= 1
+    picker.decode_done(d, first.decode_tokens, run, ok=True)
+    assert adm.drain("m") == [w] and w.backend is p and p.in_flight == 1
+
+
+def test_a_decode_slot_due_to_free_within_hold_counts_as_free():
+    clock = Clock()
+    picker = PDPicker(clock=clock)
+    (p,) = backends(1, "prefill")
+    (d,) = backends(1, "decode")
+    d.slots = 1
+    run = picker.decode_started(d, 0, 100)
+    clock.now += 1.0
+    picker.decode_done(d, 0, run, ok=True)  # 100 tokens in 1 s: 10 ms a token
+    picker.decode_started(d, 0, 1000).first_at = clock.now  # streaming from now: due in 10 s
+    waiting = picker.decode_started(Backend(id="w", url="http://127.0.0.1:3", role="decode"), 0, 10)
+    clock.now += 50
+    assert waiting.due(clock.now, 0.01) == pytest.approx(clock.now + 0.1)  # no token yet: all its output is ahead
+    clock.now -= 50
+    d.in_flight = 1
+    fit, wait = picker.room_or_wait([p], [d], pd_req(), hold=0.5)
+    assert fit == [] and wait == pytest.approx(10 - 0.5 - 100 / 20000)  # the queue looks again then: nothing else would wake it
+    other = Backend(id="remote", url="http://127.0.0.1:2", role="decode", healthy=True, slots=1, remote_in_flight=2)
+    assert picker.decode_slot_in([d, other], 0) == pytest.approx(10)
+    assert picker.decode_slot_in([d, other], 1) == math.inf  # the other's ends are not known here
+    clock.now += 9.6  # due in 0.4 s
+    assert picker.room([p], [d], pd_req(), hold=0.5) == [p]
+    assert picker.room([p], [d], pd_req(), hold=0.1) == []
+    # A long prompt prefills for 1 s (20000 tokens at the default rate): the slot frees before it needs it.
+    assert picker.room([p], [d], pd_req(tokens=20000), hold=0.1) == [p]
+    # Unknown speed (no decode finished there yet): no prediction.
+    e = Backend(id="other", url="http://127.0.0.1:1", role="decode", healthy=True)
+    e.slots, e.in_flight = 1, 1
+    picker.decode_started(e, 0, 1)
+    clock.now += 100
+    assert picker.room([p], [e], pd_req(), hold=0.5) == []
+
+
+def test_decode_slots_come_from_config_then_launch_and_rise_with_what_metrics_show():
+    picker = PDPicker()
+    (d,) = backends(1, "decode")
+    assert picker.decode_slots(d) is None
+    d.slots = 4  # launched: the group's max_batch_size
+    assert picker.decode_slots(d) == 4
+    assert PDPicker(slots=2).decode_slots(d) == 2  # balancer.slots wins
+    picker.observe_signals(d, Signals(running=6, waiting=0, kv_usage=0.3), changed=True)
+    assert picker.decode_slots(d) == 6  # more running than assumed
+    u = Backend(id="other", url="http://127.0.0.1:1", role="decode", healthy=True)
+    picker.observe_signals(u, Signals(running=3, waiting=1, kv_usage=0.3), changed=True)
+    assert picker.decode_slots(u) is None  # no real queue: nothing learnt
+    picker.observe_signals(u, Signals(running=3, waiting=3, kv_usage=0.3), changed=True)
+    assert picker.decode_slots(u) == 3  # a queue while KV has room: every slot is taken
+
+
 def test_dispatched_and_completed_hold_the_prefill_reservation_once():
     picker = PDPicker(affinity_slack=0.0)
     a, b = backends(2, "prefill")
@@ -118,6 +226,10 @@ def test_decode_prefers_light_load_and_kv_room():
     picker.decode_done(b, 8500)
     picker.decode_started(a, 1000)
     assert picker.pick_decode([a, b], 1000) is b
+    a.slots = b.slots = 2
+    b.remote_in_flight = 2  # b's slots taken through another replica: a, though it runs more of ours
+    a.in_flight = 1
+    assert picker.pick_decode([a, b], 1000) is a
 
 
 def test_a_failed_decode_is_retried_on_another_and_its_prefill_blocks_freed(keys, tmp_path, monkeypatch):

@@ -1,6 +1,7 @@
 """Prefill/decode models through the gateway queue end to end: launched prefill and decode simulators,
 one batch slot per prefill instance and a slow prefill, so that a second request must wait for the
-prefill slot (in the gateway, not the instance)."""
+prefill slot (in the gateway, not the instance); or few slots on the decode instance, so that a burst
+waits for decode slots in the gateway, not in the decode instance's batch queue."""
 
 from __future__ import annotations
 
@@ -26,15 +27,17 @@ def log_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("LMDEPLOY_GATEWAY_LOG_DIR", str(tmp_path / "logs"))
 
 
-def pd_queue_config(keys: Keys, queue: dict[str, Any], prefill: int = 1, prefill_ttft: float = 0.5) -> dict[str, Any]:
+def pd_queue_config(keys: Keys, queue: dict[str, Any], prefill: int = 1, prefill_ttft: float = 0.5, prefill_slots: int = 1,
+                    decode_slots: int | None = None, decode_tpot: float = 0.002) -> dict[str, Any]:
     group = {"model": "sim-model", "model_name": "pd", "engine": "sim", "backend": "pytorch", "health_interval": 0.2, "restart_backoff": 0.05}
     return gateway_config(
         keys,  # type: ignore[arg-type]
         [],
         launch=[
             # One slot (the launcher tells the pool: Backend.slots), and each prefill takes prefill_ttft.
-            {**group, "role": "prefill", "instances": prefill, "max_batch_size": 1, "sim": {"ttft": prefill_ttft, "tpot": 0.002}},
-            {**group, "role": "decode", "instances": 1, "sim": {"ttft": 0.005, "tpot": 0.002}},
+            {**group, "role": "prefill", "instances": prefill, "max_batch_size": prefill_slots, "sim": {"ttft": prefill_ttft, "tpot": 0.002}},
+            {**group, "role": "decode", "instances": 1, "sim": {"ttft": 0.005, "tpot": decode_tpot},
+             **({"max_batch_size": decode_slots} if decode_slots is not None else {})},
         ],
         models={"pd": {"serving": "distserve"}},
         health={"interval": 0.2, "timeout": 5.0},
@@ -113,3 +116,28 @@ async def test_a_prefill_instance_dying_while_requests_wait_leaves_none_hanging(
         assert all(s in (200, 502, 503) for s in statuses), statuses
         assert waiting(gw) == 0
         assert sum(b.in_flight for b in gw.gateway.pool) == 0  # every reservation given back
+
+
+async def test_a_burst_never_overfills_the_decode_batch_and_none_hangs(log_dir):
+    # Eight prefill slots but two decode slots, each decode about 0.4 s: a burst of ten must wait for
+    # decode slots in the gateway (served two by two, or shed at its max wait), not in the decode engine.
+    keys = Keys()
+    config = pd_queue_config(keys, {"max_wait": {"interactive": 1.2}}, prefill_ttft=0.05, prefill_slots=8, decode_slots=2, decode_tpot=0.05)
+    with GatewayServer(config, wait_healthy=False) as gw:
+        (d,) = instances(started(gw, 1), "decode")
+        assert d.slots == 2
+        async with httpx.AsyncClient(base_url=gw.url, timeout=60) as client:
+            results = await asyncio.wait_for(asyncio.gather(*(send(client, keys.ui, body(f"b{i}", tokens=8)) for i in range(10))), 30)
+        statuses = [r[0] for r in results]
+        assert statuses.count(200) >= 2 and set(statuses) <= {200, 503}, statuses
+        assert statuses.count(503) >= 1, statuses  # 10 x 0.4 s / 2 slots is past the 1.2 s max wait
+        for status, _, headers, data in results:
+            if status == 503:
+                assert headers["retry-after"].isdigit() and int(headers["retry-after"]) >= 1
+                assert httpx.Response(503, content=data).json()["error"]["code"] == "service_unavailable"
+            else:
+                assert b"data: [DONE]" in data
+        stats = httpx.get(d.url + "/_sim/stats", timeout=5, trust_env=False).json()
+        assert stats["peak_in_flight"] <= 2, stats  # never more than its batch slots
+        assert waiting(gw) == 0
+        assert sum(b.in_flight for b in gw.gateway.pool) == 0

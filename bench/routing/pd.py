@@ -41,10 +41,10 @@ CHARS_PER_TOKEN = 4  # the simulator's tokenizer (gateway/sim/tokens.py)
 
 
 class GatewayWithSims(_Proc):
-    def __init__(self, workdir: Path, mode: str, gpus: int):
+    def __init__(self, workdir: Path, mode: str, gpus: int, max_batch_size: int = 64):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        group = {"model": "sim/pd-bench", "model_name": MODEL, "engine": "sim", "backend": "pytorch", "sim": SIM, "max_batch_size": 64}
+        group = {"model": "sim/pd-bench", "model_name": MODEL, "engine": "sim", "backend": "pytorch", "sim": SIM, "max_batch_size": max_batch_size}
         if mode == "hybrid":
             launch = [{**group, "instances": gpus}]
             models: dict = {}
@@ -142,17 +142,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpus", type=int, default=4, help="simulated GPUs per mode (PD splits them half prefill, half decode)")
     ap.add_argument("--rate", type=float, default=3.0, help="requests per second")
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--max-batch-size", type=int, default=64, help="batch slots of every instance; small, the decode instances' slots bind before their KV")
     ap.add_argument("--prompt-tokens", type=int, nargs=2, default=(2000, 6000), metavar=("MIN", "MAX"))
     args = ap.parse_args(argv)
     duration = 20.0 if args.quick else 60.0
     trace = make_trace(args.seed, args.rate, duration, tuple(args.prompt_tokens))
     print(f"PD bench: seed {args.seed}, {args.gpus} simulated GPUs per mode, {len(trace.at)} requests over {duration:g} s "
-          f"({args.rate:g} req/s), prompts {args.prompt_tokens[0]}-{args.prompt_tokens[1]} tokens, {trace.max_tokens} output tokens, streamed")
+          f"({args.rate:g} req/s), {args.max_batch_size} batch slots per instance, prompts {args.prompt_tokens[0]}-{args.prompt_tokens[1]} tokens, {trace.max_tokens} output tokens, streamed")
     print(f"sim: {SIM}")
     rows = []
     with tempfile.TemporaryDirectory(prefix="pd-bench-") as tmp:
         for mode in ("hybrid", "pd"):
-            gw = GatewayWithSims(Path(tmp), mode, args.gpus)
+            gw = GatewayWithSims(Path(tmp), mode, args.gpus, args.max_batch_size)
             try:
                 t0 = time.monotonic()
                 samples = asyncio.run(run_trace(gw.url, trace))

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
@@ -42,7 +43,7 @@ from ..config.disagg import MIGRATION_PROTOCOL_VALUE, ModelServing
 from ..errors import Refusal, model_not_found, sse_error_event
 from ..filters import RequestContext
 from ..upstream import UpstreamFailure, UpstreamInvalid, UpstreamResponse, UpstreamTimeout, control_call
-from .pd_policy import PDPicker, PDRequest
+from .pd_policy import DecodeRun, PDPicker, PDRequest
 from .pool import Backend, BackendPool
 from .policies import Outcome
 from .queue import LOW_PREFILL_AHEAD, Admission, GatewayQueue
@@ -56,6 +57,7 @@ Reply = Callable[[Refusal], Awaitable[None]]
 PD_FREES = Counter("gateway_pd_cache_frees_total", "Prefill caches freed by the gateway, by why and outcome", ["why", "outcome"], registry=metrics.REGISTRY)
 PD_CONNECTS = Counter("gateway_pd_connects_total", "Prefill-decode connection set-ups, by outcome", ["outcome"], registry=metrics.REGISTRY)
 
+RECHECK_MIN = 0.01  # seconds: the soonest a predicted decode slot is looked at again (no busy loop on a stale prediction)
 MAX_CONTROL_BYTES = 64 * 1024  # a /distserve/* answer is a few hundred bytes
 MAX_PREFILL_BYTES = 16 * 1024 * 1024  # the prefill answer: one token plus the block ids
 MAX_BLOCK_IDS = 1 << 20
@@ -289,17 +291,19 @@ class PDConnections:
 
 
 class PDDispatcher:
-    def __init__(self, pool: BackendPool, models: dict[str, ModelServing], retries: int = 1, control_timeout: float = 10.0):
+    def __init__(self, pool: BackendPool, models: dict[str, ModelServing], retries: int = 1, control_timeout: float = 10.0, slots: int | None = None):
+        """slots: every instance's batch slots when configured (``balancer.slots``)."""
         self.pool = pool
         self.models = {n: m for n, m in models.items() if m.distserve}
         self.retries = retries
         self.upstream: Any = None  # set at start-up, like the router's
         self.client: Any = None  # the control-plane httpx client, set at start-up
-        self.picker = PDPicker()
+        self.picker = PDPicker(slots=slots)
         self.conns = PDConnections(lambda: self.client, control_timeout, self.picker)
         self._tasks: set[asyncio.Task[Any]] = set()
         self.closing = False
         self.queue: GatewayQueue | None = None  # set by enable_queue
+        self._rechecks: dict[str, asyncio.TimerHandle] = {}  # by model: when a decode slot is predicted in time
         pool.on_change(self._backend_changed)
 
     def enable_queue(self, config: QueueConfig, clock: Callable[[], float]) -> GatewayQueue:
@@ -314,8 +318,36 @@ class PDDispatcher:
         adm = self.queue.admission  # type: ignore[union-attr]
         decodes = [b for b in self.pool.eligible(req.model) if b.role == "decode"]
         if adm.reserving(req.model, priority):  # leave slots and an empty prefill queue to interactive requests
-            return self.picker.room(prefills, decodes, req, min(adm.config.hold_wait, LOW_PREFILL_AHEAD), adm.config.reserve)
-        return self.picker.room(prefills, decodes, req, adm.config.hold_wait)
+            fit, wait = self.picker.room_or_wait(prefills, decodes, req, min(adm.config.hold_wait, LOW_PREFILL_AHEAD), adm.config.reserve)
+        else:
+            fit, wait = self.picker.room_or_wait(prefills, decodes, req, adm.config.hold_wait)
+        if not fit and wait < math.inf:
+            self._recheck(req.model, wait)
+        return fit
+
+    def _recheck(self, model: str, wait: float) -> None:
+        """Wake the queue when a decode slot is predicted in time: no response ends then, yet the
+        prefill must start then to overlap the decode it waits for. One timer per model, the earliest."""
+        loop = asyncio.get_running_loop()
+        at = loop.time() + max(wait, RECHECK_MIN)
+        timer = self._rechecks.get(model)
+        if timer is not None and not timer.cancelled() and timer.when() <= at:
+            return
+        if timer is not None:
+            timer.cancel()
+        self._rechecks[model] = loop.call_at(at, self._recheck_due, model)
+
+    def close(self) -> None:
+        """Shutting down: instances stopping now are not "lost" (no drops, no frees), no more rechecks."""
+        self.closing = True
+        for timer in self._rechecks.values():
+            timer.cancel()
+        self._rechecks.clear()
+
+    def _recheck_due(self, model: str) -> None:
+        self._rechecks.pop(model, None)
+        if self.queue is not None and not self.closing:
+            self.queue.wake(model)
 
     def serves(self, model: str) -> bool:
         return model in self.models
@@ -375,7 +407,7 @@ class PDDispatcher:
         out = body.get("max_completion_tokens") or body.get("max_tokens")
         out = out if type(out) is int and out > 0 else None
         req = PDRequest(model=model, stream=body.get("stream") is True, prompt_tokens=tokens, max_tokens=out,
-                        prompt=prompt, decode_tokens=tokens + (out or 512))
+                        prompt=prompt, decode_tokens=tokens + (out or 512), out_tokens=out or 512)
         tried_p: set[str] = set()
         tried_d: set[str] = set()
         queued = False
@@ -410,7 +442,7 @@ class PDDispatcher:
                 # Decode instances as they are now: the request may have waited in the queue meanwhile.
                 ds = [b for b in self.pool.eligible(model) if b.role == "decode" and b.id not in tried_d] or ds
                 d = self.picker.pick_decode(ds, req.decode_tokens)
-                status = await self._decode_phase(p, d, result, serving, ctx, body, path, headers, send, reply, last, req.decode_tokens)
+                status = await self._decode_phase(p, d, result, serving, ctx, body, path, headers, send, reply, last, req)
                 if status is not None:
                     return status
                 tried_d.add(d.id)
@@ -470,7 +502,10 @@ class PDDispatcher:
             return result
         finally:
             self.picker.completed(p, req, outcome)
-            if self.queue is not None:  # its slot is free: the next waiter's prefill may start
+            # Its slot is free: the next waiter's prefill may start. After a prefill that succeeded,
+            # only once the request holds its decode slot (``_decode_phase``): woken before, a
+            # waiter would count neither this prefill nor this decode and take the decode slot too.
+            if self.queue is not None and not outcome.ok:
                 self.queue.wake(req.model)
 
     async def _decode_phase(
@@ -486,12 +521,17 @@ class PDDispatcher:
         send: Send,
         reply: Reply,
         last: bool,
-        tokens: int,
+        req: PDRequest,
     ) -> int | None:
-        """Connect, decode, relay. Frees the prefill blocks unless the decode finished. None: retry."""
+        """Connect, decode, relay. Frees the prefill blocks unless the decode finished. None: retry.
+        d's slot and KV are the request's from the first line (no await before it since the prefill ended)."""
         progress = {"done": False}  # set once the client has the whole answer, even if it leaves right after
         key = (p.id, d.id)
         shelved = False
+        run = self.picker.decode_started(d, req.decode_tokens, req.out_tokens)
+        d.in_flight += 1
+        if self.queue is not None:  # the prefill slot it left is free, its decode slot counted
+            self.queue.wake(req.model)
         try:
             try:
                 await self.conns.ensure(p, d, serving)
@@ -512,8 +552,10 @@ class PDDispatcher:
             }
             self.conns.shelf.setdefault(key, set()).add(pre.session_id)
             shelved = True
-            return await self._decode(d, ctx, orjson.dumps(decode_body), path, headers, send, reply, last, tokens, progress)
+            return await self._decode(d, ctx, orjson.dumps(decode_body), path, headers, send, reply, last, progress, run)
         finally:
+            d.in_flight -= 1
+            self.picker.decode_done(d, req.decode_tokens, run, ok=progress["done"])
             if shelved:
                 self.conns.shelf.get(key, set()).discard(pre.session_id)
             if not progress["done"]:
@@ -522,10 +564,8 @@ class PDDispatcher:
 
     async def _decode(
         self, d: Backend, ctx: RequestContext, payload: bytes, path: str, headers: list[tuple[bytes, bytes]],
-        send: Send, reply: Reply, last: bool, tokens: int, progress: dict[str, bool],
+        send: Send, reply: Reply, last: bool, progress: dict[str, bool], run: DecodeRun,
     ) -> int | None:
-        self.picker.decode_started(d, tokens)
-        d.in_flight += 1
         outcome = Outcome(status=0, ok=False)
         try:
             response = await open_upstream(self.upstream, self.pool, d, path, payload, headers, reply, last)
@@ -544,7 +584,7 @@ class PDDispatcher:
                 else:
                     self.pool.report_success(d)
                 if response.status == 200 and response.is_event_stream:
-                    await self._relay_stream(d, ctx, response, send, progress, outcome)
+                    await self._relay_stream(d, ctx, response, send, progress, outcome, run)
                     return 200
                 try:
                     data = await self.upstream.read_all(response)
@@ -566,13 +606,11 @@ class PDDispatcher:
             finally:
                 await response.aclose()
         finally:
-            d.in_flight -= 1
-            self.picker.decode_done(d, tokens)
             outcome.ok = progress["done"]
             ctx.backend, ctx.outcome = d.id, outcome  # usage for the limits' settling, the access log and the trace
 
     async def _relay_stream(
-        self, d: Backend, ctx: RequestContext, response: UpstreamResponse, send: Send, progress: dict[str, bool], outcome: Outcome
+        self, d: Backend, ctx: RequestContext, response: UpstreamResponse, send: Send, progress: dict[str, bool], outcome: Outcome, run: DecodeRun
     ) -> None:
         hdrs = list(response.headers) + [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
         await send({"type": "http.response.start", "status": 200, "headers": hdrs})
@@ -583,6 +621,7 @@ class PDDispatcher:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 if outcome.ttft is None:
                     outcome.ttft = time.monotonic() - started
+                    run.first_at = self.picker.clock()  # decoding from now: when its slot frees is predicted from here
                 if b'"usage"' in chunk:
                     _read_sse_usage(chunk, outcome)
                 if b'data: {"error"' in chunk:

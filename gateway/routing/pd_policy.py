@@ -7,7 +7,8 @@
   instance's prefix cache is reused without piling work on one instance.
 - **Decode** by decode load and KV room: fewer running decodes first, weighted by how full the KV
   cache would be with this request (capacity from ``/distserve/engine_info``: blocks x block size);
-  an instance that cannot hold the request is used only when none can.
+  an instance that cannot hold the request is used only when none can, one without a free batch slot
+  only when none has one (then the one whose slot is predicted to free first).
 
 State is the picker's own (keyed by backend id), learnt from what the dispatcher reports.
 
@@ -16,17 +17,28 @@ For the gateway queue (``queue.Admission``) the picker is the binder of the pref
 that can start a request now. An instance has room while it has a free batch slot (its ``slots``
 less this gateway's and the other replicas' requests on it) and its predicted prefill queue is
 within ``hold``; an idle one always has. Nothing starts while no decode instance has KV room for
-the request (unless one is idle), so a full decode side holds requests in the gateway too.
+the request (unless one is idle), nor while the decode side has no batch slot for it: the free slots
+of the decode instances with KV room (each one's slots less every replica's decodes on it), now or
+predicted within ``hold`` after its own prefill is predicted done, must exceed the requests already prefilling (every replica's: each
+takes a decode slot when its prefill is done). So a burst waits in the gateway, not in full decode
+batches. A decode instance's slots: ``balancer.slots``, else the launcher's (the group's
+``max_batch_size``), raised by what its /metrics show (``signals.learn_slots``); unknown, it
+limits nothing. A slot is predicted to free when a decode running there is due to end: its output
+tokens (``max_tokens``) from its first at the instance's learnt seconds per output token. The queue
+is woken when that time comes (``PDDispatcher``): no response ends then to wake it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
+import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from .policies import Outcome, RequestInfo
 from .pool import Backend
+from .signals import Signals, learn_slots
 
 DEFAULT_SECONDS_PER_TOKEN = 1 / 20000  # until the first prefill on an instance is measured
 EWMA = 0.2
@@ -39,11 +51,28 @@ class _PrefillState:
     seconds_per_token: float = DEFAULT_SECONDS_PER_TOKEN
 
 
+@dataclass(slots=True, eq=False)
+class DecodeRun:
+    """One decode of this gateway on an instance: when it is due to end is predicted from it."""
+
+    started: float
+    out_tokens: int  # the output it may produce (max_tokens, or the picker's default)
+    first_at: float | None = None  # its first token (a stream's): before it, it migrates or waits for a slot
+
+    def due(self, now: float, seconds_per_token: float) -> float:
+        """When it is predicted to end: its output at the instance's speed from its first token
+        (from now while it has none: a decode that waits has all of its output ahead)."""
+        return (self.first_at if self.first_at is not None else max(now, self.started)) + self.out_tokens * seconds_per_token
+
+
 @dataclass
 class _DecodeState:
     running: int = 0
     reserved_tokens: int = 0
     capacity_tokens: int | None = None  # from /distserve/engine_info
+    learnt_slots: int | None = None  # from /metrics
+    seconds_per_token: float | None = None  # per output token from the first, learnt from finished decodes
+    runs: list[DecodeRun] = field(default_factory=list)
 
 
 @dataclass(slots=True, eq=False)
@@ -52,11 +81,15 @@ class PDRequest(RequestInfo):
 
     prompt: bytes = field(default=b"", repr=False)  # the start decides prefix affinity
     decode_tokens: int = 0  # KV it will hold on the decode instance: prompt + output
+    out_tokens: int = 0  # output tokens it may produce: how long its decode holds a slot
 
 
 class PDPicker:
-    def __init__(self, affinity_slack: float = 0.25):
+    def __init__(self, affinity_slack: float = 0.25, slots: int | None = None, clock: Callable[[], float] = time.monotonic):
+        """slots: every instance's batch slots when configured (``balancer.slots``)."""
         self.affinity_slack = affinity_slack
+        self.slots = slots
+        self.clock = clock
         self._prefill: dict[str, _PrefillState] = {}
         self._decode: dict[str, _DecodeState] = {}
 
@@ -103,13 +136,49 @@ class PDPicker:
     def decode_fits(self, d: Backend, tokens: int) -> bool:
         return d.in_flight + d.remote_in_flight == 0 or self.decode_score(d, tokens)[0] == 0
 
+    def decode_slot_in(self, decodes: Sequence[Backend], prefilling: int) -> float:
+        """Seconds until the decode instances are predicted to have a batch slot for one more request
+        beyond ``prefilling`` (requests whose prefill runs: each takes one when done): 0 when free now,
+        inf when not predicted. An instance whose slots are unknown limits nothing."""
+        now = self.clock()
+        free = 0
+        ends: list[float] = []
+        for d in decodes:
+            slots = self.decode_slots(d)
+            if slots is None:
+                return 0.0
+            busy = d.in_flight + d.remote_in_flight  # every replica's decodes take its slots
+            free += max(0, slots - busy)
+            st = self._decode.get(d.id)
+            if st is not None and st.seconds_per_token is not None:
+                due = sorted(max(0.0, r.due(now, st.seconds_per_token) - now) for r in st.runs)
+                ends += due[max(0, busy - slots):]  # the first to end only bring an over-full instance back to its slots
+        if free > prefilling:
+            return 0.0
+        ends.sort()
+        k = prefilling - free  # ends before the one that frees a slot for this request
+        return ends[k] if k < len(ends) else math.inf
+
+    def room_or_wait(self, prefills: Sequence[Backend], decodes: Sequence[Backend], req: PDRequest, hold: float, reserve: float = 0.0) -> tuple[list[Backend], float]:
+        """``room``, and when it is empty only for want of a decode slot, the seconds until one is
+        predicted in time (inf otherwise): nothing else may wake the queue then."""
+        fits = [d for d in decodes if self.decode_fits(d, req.decode_tokens)]
+        ready = [b for b in prefills if self.prefill_fits(b, hold, reserve)]
+        if not fits or not ready:
+            return [], math.inf
+        prefilling = sum(b.in_flight + b.remote_in_flight for b in prefills)  # every replica's
+        # Its decode starts once its prefill is done: a slot that frees by then (plus hold) is in time,
+        # and the prefill overlaps the wait for it instead of following it.
+        lead = min(self.predicted_wait(b, req.prompt_tokens) for b in ready)
+        wait = self.decode_slot_in(fits, prefilling) - hold - lead
+        return (ready, 0.0) if wait <= 0 else ([], wait)
+
     def room(self, prefills: Sequence[Backend], decodes: Sequence[Backend], req: PDRequest, hold: float, reserve: float = 0.0) -> list[Backend]:
         """The prefill instances that can start req now: a free slot, at most ``hold`` seconds of
-        prefill queued, and a decode instance with KV room for it. ``reserve``: the share of each
-        prefill instance's slots to leave free (classes below interactive while interactive come)."""
-        if not any(self.decode_fits(d, req.decode_tokens) for d in decodes):
-            return []
-        return [b for b in prefills if self.prefill_fits(b, hold, reserve)]
+        prefill queued, a decode instance with KV room for it and a decode slot for it
+        (``decode_slot_in``) by the time its prefill is done, within ``hold``. ``reserve``: the share
+        of each prefill instance's slots to leave free (classes below interactive while interactive come)."""
+        return self.room_or_wait(prefills, decodes, req, hold, reserve)[0]
 
     def prefill_started(self, b: Backend, tokens: int) -> None:
         self._prefill.setdefault(b.id, _PrefillState()).outstanding_tokens += tokens
@@ -124,6 +193,19 @@ class PDPicker:
     def set_capacity(self, b: Backend, tokens: int) -> None:
         self._decode.setdefault(b.id, _DecodeState()).capacity_tokens = tokens
 
+    def decode_slots(self, b: Backend) -> int | None:
+        """b's batch slots: configured, else launched, raised by what its /metrics showed."""
+        base = self.slots if self.slots is not None else b.slots
+        st = self._decode.get(b.id)
+        learnt = st.learnt_slots if st is not None else None
+        return base if learnt is None else max(base or 0, learnt)
+
+    def observe_signals(self, b: Backend, signals: Signals, changed: bool) -> None:
+        """A /metrics poll of decode instance b."""
+        if changed:
+            st = self._decode.setdefault(b.id, _DecodeState())
+            st.learnt_slots = learn_slots(self.decode_slots(b), signals)
+
     def decode_score(self, b: Backend, tokens: int) -> tuple[int, float]:
         st = self._decode.get(b.id) or _DecodeState()
         if st.capacity_tokens:
@@ -132,17 +214,36 @@ class PDPicker:
         return 0, float(st.running + 1)
 
     def pick_decode(self, candidates: list[Backend], tokens: int) -> Backend:
-        return min(candidates, key=lambda b: (*self.decode_score(b, tokens), b.in_flight))
+        """KV room first, then a batch slot (free, else the soonest predicted to free: a full
+        instance queues the decode in its engine), then the lightest load."""
+        def key(b: Backend) -> tuple[int, float, float, int]:
+            over, score = self.decode_score(b, tokens)
+            return over, self.decode_slot_in((b,), 0), score, b.in_flight
 
-    def decode_started(self, b: Backend, tokens: int) -> None:
+        return min(candidates, key=key)
+
+    def decode_started(self, b: Backend, tokens: int, out_tokens: int = 0) -> DecodeRun:
+        """b takes one decode (its slot and ``tokens`` of KV) until ``decode_done``."""
         st = self._decode.setdefault(b.id, _DecodeState())
         st.running += 1
         st.reserved_tokens += tokens
+        run = DecodeRun(self.clock(), out_tokens)
+        st.runs.append(run)
+        return run
 
-    def decode_done(self, b: Backend, tokens: int) -> None:
+    def decode_done(self, b: Backend, tokens: int, run: DecodeRun | None = None, ok: bool = False) -> None:
+        """ok: the decode ran to its end, so its time teaches the instance's speed."""
         st = self._decode.setdefault(b.id, _DecodeState())
         st.running = max(0, st.running - 1)
         st.reserved_tokens = max(0, st.reserved_tokens - tokens)
+        if run is None:
+            return
+        if run in st.runs:
+            st.runs.remove(run)
+        if ok and run.out_tokens > 0:
+            # From its first token: time spent waiting for a slot in the engine is not speed.
+            spt = (self.clock() - (run.first_at if run.first_at is not None else run.started)) / run.out_tokens
+            st.seconds_per_token = spt if st.seconds_per_token is None else st.seconds_per_token + EWMA * (spt - st.seconds_per_token)
 
     def forget(self, backend_id: str) -> None:
         self._prefill.pop(backend_id, None)

@@ -55,6 +55,7 @@ def stats_of(sim: SimState) -> dict[str, Any]:
         "prefix_hits_tokens": stats.cached_tokens,
         "generation_tokens": stats.generation_tokens,
         "steps": stats.steps,
+        "peak_in_flight": stats.peak_in_flight,
         "kv_reserved_tokens": engine.kv_reserved,
         "kv_usage": engine.kv_usage,
         "prefix_cache_blocks": len(engine.cache),

@@ -74,6 +74,7 @@ class EngineStats:
     cached_tokens: int = 0
     generation_tokens: int = 0
     steps: int = 0
+    peak_in_flight: int = 0  # the most sequences it held at once (tests: did anyone overfill its batch)
 
 
 class EngineObserver(Protocol):
@@ -189,6 +190,7 @@ class Engine:
             self._run_instantly(seq)
             return seq
         self.pending.add(seq)
+        self.stats.peak_in_flight = max(self.stats.peak_in_flight, self.in_flight)
         delay = timing.ttft / timing.speed
         if delay > 0:
             seq._timer = loop.call_later(delay, self._enqueue, seq)

@@ -29,7 +29,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from typing import Any, Awaitable, TypeVar
+from typing import Any, Awaitable, Iterable, TypeVar
 
 import orjson
 import redis.asyncio as aioredis
@@ -137,6 +137,31 @@ return #KEYS
 """
 
 
+RECANCEL_EVERY = 0.05  # seconds between cancellations of a task that lost one (stop_tasks)
+
+
+async def stop_tasks(tasks: Iterable[asyncio.Task[Any]], timeout: float) -> set[asyncio.Task[Any]]:
+    """Cancel tasks and wait for them, at most ``timeout``; the ones still running are returned.
+    A cancellation can be lost (on 3.11 a timeout that expires at the same moment turns it into a
+    TimeoutError, which a retrying loop then catches): it is sent again until the task ends. The
+    caller's own cancellation is not swallowed (shutdown must stay stoppable), and the tasks'
+    exceptions are retrieved (each was logged where it happened)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    pending = set(tasks)
+    while pending:
+        for t in pending:
+            t.cancel()
+        left = deadline - loop.time()
+        if left <= 0:
+            break
+        done, pending = await asyncio.wait(pending, timeout=min(left, RECANCEL_EVERY))
+        for t in done:
+            if not t.cancelled():
+                t.exception()
+    return pending
+
+
 class RedisStore(StateStore):
     kind = "redis"
     shared = True
@@ -179,6 +204,7 @@ class RedisStore(StateStore):
         self._wake = asyncio.Event()
         self._leases: dict[str, tuple[str, str]] = {}  # lease id -> (lease set key, lease id) held by this process
         self._tasks: list[asyncio.Task[None]] = []
+        self._pubsub: Any = None  # the subscriber's, closed under it at shutdown if it ignores its cancellation
         self._closing = False
         self.synced = asyncio.Event()  # the first full key load is done
         self.load: dict[str, int] = {}  # backend id -> in-flight summed over the other replicas
@@ -232,13 +258,16 @@ class RedisStore(StateStore):
     async def close(self) -> None:
         self._closing = True
         self._wake.set()
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            try:
-                await t
-            except BaseException:
-                pass
+        pending = await stop_tasks(self._tasks, self.cfg.timeout * 2)
+        if pending:
+            # redis-py can lose a cancellation in a pub/sub read, which then waits for a message that
+            # may never come: closed under it, the read fails and the subscriber ends.
+            ps = self._pubsub
+            if ps is not None and ps.connection is not None:
+                await ps.connection.disconnect(nowait=True)
+            pending = await stop_tasks(pending, self.cfg.timeout * 2)
+            if pending:
+                log.error("%d Redis task(s) did not stop at shutdown: %s", len(pending), pending)
         try:
             await asyncio.wait_for(self._flush(), self.cfg.timeout * 4)
             await asyncio.wait_for(self.r.zrem(f"{self._p}:replicas", self.replica), self.cfg.timeout * 2)
@@ -248,7 +277,7 @@ class RedisStore(StateStore):
             log.warning("stopping with %d usage and budget settle(s) that Redis never received (it is unreachable)", len(self._pending))
         self.pipe.close()
         try:
-            await self.r.aclose()
+            await asyncio.wait_for(self.r.aclose(), self.cfg.timeout * 2)
         except Exception:
             pass
 
@@ -301,7 +330,7 @@ class RedisStore(StateStore):
         backoff = 0.1
         last_full = time.monotonic()
         while not self._closing:
-            pubsub = self.r.pubsub()
+            pubsub = self._pubsub = self.r.pubsub()
             try:
                 await asyncio.wait_for(pubsub.subscribe(self.channel, *self.handlers), self.cfg.timeout * 2)
                 # Subscribed first, then loaded: a change made in between is in the load or in a message.
@@ -336,7 +365,7 @@ class RedisStore(StateStore):
             finally:
                 try:
                     await asyncio.wait_for(pubsub.aclose(), self.cfg.timeout)
-                except BaseException:
+                except Exception:  # not a cancellation: that must end the task
                     pass
 
     # -- limits ----------------------------------------------------------------------------------

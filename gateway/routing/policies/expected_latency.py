@@ -12,7 +12,7 @@ from typing import Any, Sequence
 from ...metrics import AFFINITY_PICKS
 from ..pool import Backend
 from ..prefix import PrefixMemory, key_tokens
-from ..signals import Signals
+from ..signals import Signals, learn_slots
 from .base import Balancer, Outcome, PerBackend, Prediction, RequestInfo
 from .sizes import Sizes, SizesByModel
 
@@ -499,12 +499,7 @@ class ExpectedLatencyBalancer(Balancer):
         if changed:
             seen = signals.running + signals.waiting
             m.ext = max(0.0, seen - m.if_max)
-            if signals.running > 0 and signals.waiting >= max(2.0, 0.25 * signals.running) and signals.kv_usage < 0.8:
-                # A real queue (not the few that arrived during one step) while the KV cache has
-                # room: every batch slot is taken.
-                m.slots = max(m.slots or 0, int(signals.running))
-            elif m.slots is not None and signals.running > m.slots:
-                m.slots = int(signals.running)
+            m.slots = learn_slots(m.slots, signals)
             if signals.kv_usage >= 0.2 and m.kv > 0:
                 # The KV our admitted requests hold over the usage the gauge shows. Admission is in
                 # order, so the newest `waiting` of ours are the ones not admitted. The gauge is up to a
