@@ -384,3 +384,28 @@ def test_close_cancelled_is_cancelled_not_swallowed(redis_server):
         await store.close()  # a second close finishes the job
 
     asyncio.run(run())
+
+
+def test_a_restarted_redis_answers_the_first_admin_call_on_its_stale_pooled_connection():
+    # After a Redis restart every pooled connection is dead; the first command on one must not fail
+    # the call (seen: `put_key` right after recovery answering "Connection closed by server").
+    from redisd import RedisServer
+
+    from gateway.config import ApiKeyConfig
+    from gateway.state.redis import RedisStore
+
+    async def run(redis: RedisServer) -> None:
+        store = RedisStore(_store_config(redis.url))
+        await store.start()
+        try:
+            await store.put_key(ApiKeyConfig(name="before", hash=hash_key(new_key())))  # the pool holds a connection now
+            await asyncio.to_thread(redis.stop)
+            await asyncio.to_thread(redis.start)
+            after = ApiKeyConfig(name="after", hash=hash_key(new_key()))
+            await store.put_key(after)
+            assert (await store.get_key(after.hash)) is not None
+        finally:
+            await store.close()
+
+    with RedisServer() as redis:
+        asyncio.run(run(redis))

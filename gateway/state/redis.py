@@ -35,6 +35,7 @@ import orjson
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
 
 from .._compat import timeout as _timeout
@@ -177,7 +178,9 @@ class RedisStore(StateStore):
             cfg.redis_url,
             socket_timeout=cfg.timeout,
             socket_connect_timeout=cfg.timeout,
-            retry=Retry(NoBackoff(), 0),
+            # One immediate retry on a dropped connection only: after a Redis restart every pooled
+            # connection is stale and fails at once; a timeout is never retried (the call's bound holds).
+            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
             retry_on_timeout=False,
             health_check_interval=0,
             max_connections=256,
