@@ -42,6 +42,7 @@ def backends(*ids: str) -> list[Backend]:
 def mel(clock: Clock | None = None, seed: int = 0, **cfg) -> ExpectedLatencyBalancer:
     cfg.setdefault("slow_start", 0.0)
     cfg.setdefault("others_weight", 0.0)  # the request's own latency only, unless a test asks
+    cfg.setdefault("others_load", 0.0)
     b = make_balancer("min_expected_latency", BalancerConfig(**cfg), clock=clock or Clock(), rng=random.Random(seed))
     assert isinstance(b, ExpectedLatencyBalancer)
     return b
@@ -93,6 +94,7 @@ def test_default_policy_is_min_expected_latency():
         ({"affinity_ttl": 0}, "balancer.affinity_ttl"),
         ({"slow_start": "soon"}, "balancer.slow_start: expected a number"),
         ({"affinty_bound": 0.2}, "unknown field (did you mean 'affinity_bound'?)"),
+        ({"others_load": -0.5}, "balancer.others_load: -0.5 is out of range"),
     ],
 )
 def test_invalid_balancer_config_is_refused_with_a_clear_message(section, message):
@@ -109,6 +111,7 @@ def test_invalid_balancer_config_is_refused_with_a_clear_message(section, messag
         ({"affinity_bound": 0}, "affinity_bound", 0.0),
         ({"slow_start": 10}, "slow_start", 10.0),
         ({"kv_penalty": 0}, "kv_penalty", 0.0),
+        ({"others_load": 0}, "others_load", 0.0),
     ],
 )
 def test_valid_balancer_config_is_read(section, field, value):
@@ -208,6 +211,46 @@ def test_others_weight_counts_the_queue_a_full_batch_builds():
     step = SIGMA0 * (1 + GAMMA0 * 2)
     stall = bal.rho * SIGMA0 * 1 * 2  # only the 2 in the batch wait for r's prefill
     assert lat_full - lat_own == pytest.approx(SIGMA0 * GAMMA0 * 150 + 2 * 100 * step / 2 + stall)
+
+
+@pytest.mark.parametrize(
+    "slots, running, u",
+    [
+        (8, 1, 2 / 8),  # r and one other: a quarter of the slots
+        (8, 5, 6 / 8),
+        (8, 7, 0.9),  # r takes the last slot: capped at MAX_LOAD
+        (4, 6, 0.9),  # a full batch with a queue: capped too
+    ],
+)
+def test_others_load_weighs_the_others_more_as_the_slots_fill(slots, running, u):
+    """With the slots known, ω is multiplied by 1 + others_load·u/(1-u): on a nearly full batch the sequences
+    that join while r runs wait for or share its slot. Without others_load the estimate is as before."""
+    (a,) = backends("a")
+    lats = {}
+    for extra in (0.0, 0.5):
+        bal = mel(others_weight=1.0, others_load=extra)
+        bal._model(a).slots = slots
+        load(bal, a, running, out=50)
+        lats[extra], _ = bal.explain([a], req(prompt=1, out=100))["a"]
+    base = mel(others_weight=0.0)
+    base._model(a).slots = slots
+    load(base, a, running, out=50)
+    own, _ = base.explain([a], req(prompt=1, out=100))["a"]
+    # The others' share of the estimate scales with ω: (1 + 0.5·u/(1-u)) times what it is at ω = 1.
+    assert lats[0.5] - own == pytest.approx((lats[0.0] - own) * (1.0 + 0.5 * u / (1.0 - u)))
+    assert lats[0.5] > lats[0.0]
+
+
+@pytest.mark.parametrize("slots, others_weight", [(None, 1.0), (8, 0.0)])
+def test_others_load_needs_the_slots_and_others_weight(slots, others_weight):
+    (a,) = backends("a")
+    lat = {}
+    for extra in (0.0, 2.0):
+        bal = mel(others_weight=others_weight, others_load=extra)
+        bal._model(a).slots = slots
+        load(bal, a, 5, out=50)
+        lat[extra], _ = bal.explain([a], req(prompt=1, out=100))["a"]
+    assert lat[2.0] == lat[0.0]
 
 
 def test_decoded_tokens_of_running_requests_are_no_longer_counted():

@@ -93,7 +93,12 @@ class ExpectedLatencyBalancer(Balancer):
       total latency added to the backend (r's own plus the slowdown and queueing it causes) to
       the sequences there now. The default 1.5 also counts, roughly, those that join b while r
       runs (the batch refills as it drains), which S and n_b do not see; over 8 seeds of the
-      replay it beats 1 on median, mean, TTFT and hit rate, for +2% at p99.
+      replay it beats 1 on median, mean, TTFT and hit rate, for +2% at p99. With slots_b known,
+      ω_b = ω·(1 + ``others_load``·u/(1-u)), u = min(0.9, (n_b + 1)/slots_b): the sequences that join
+      while r runs are few on an idle backend and many on one whose slots are nearly all taken (u/(1-u),
+      the mean queue of a server busy u of the time). It keeps the fastest backend from filling up
+      with long requests, which slowed every step there (bench/routing/README.md, ``slots=32``, 8
+      seeds of the replay, heterogeneous fleet: median 2.181 -> 2.125 s, p99 17.7 -> 17.3 s).
       q_b = how many would queue behind a full batch, r included. U_b(r) = r's uncached prompt
       tokens on b: its prefill runs inside one step of the whole batch, so each of the n_b sequences
       decoding there (at most slots_b) waits for it. This is what a prefix-cache hit saves the others,
@@ -136,6 +141,7 @@ class ExpectedLatencyBalancer(Balancer):
     FIT_DECAY = 0.995  # γ follows the last ~200 completions of each backend
     GAMMA_PRIOR = 50.0  # the prior γ weighs as much as n̄ spread by ±1.6 over 20 completions
     MIN_RAMP = 0.1
+    MAX_LOAD = 0.9  # the slot load u at which others_load's u/(1-u) stops growing (9x)
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -271,6 +277,13 @@ class ExpectedLatencyBalancer(Balancer):
         wait_s = wait * step
         lat += wait_s
         others = self.config.others_weight
+        if others and m.slots is not None and self.config.others_load:
+            # A batch near its slots refills as soon as a sequence leaves: the longer r holds a slot
+            # there, the more later arrivals wait for one or share its steps. u/(1-u) is the mean
+            # queue of a server busy u of the time; capped, as W_b and the queue term below count
+            # a full batch themselves.
+            u = min(self.MAX_LOAD, (len(rems) + ext + 1) / m.slots)
+            others *= 1.0 + self.config.others_load * u / (1.0 - u)
         if others:
             # What r costs the requests already there: σγ more per step they share, and, when the
             # batch is full, its decode time spread over the slots for each one queued behind it.
