@@ -592,6 +592,44 @@ def test_a_few_waiting_between_two_steps_do_not_teach_the_batch_size():
     assert bal._model(a).slots == 12  # never below what it was seen running
 
 
+def _stream(bal, b: Backend, clock: Clock) -> RequestInfo:
+    clock.t += 0.001  # sent one after another: the engine admits them in this order
+    r = req(prompt=1, out=50, stream=True)
+    bal.dispatched(b, r)
+    return r
+
+
+@pytest.mark.parametrize("late_ttft, slots", [(1.0, 4), (0.04, None)])
+def test_first_bytes_that_waited_for_a_slot_teach_the_batch_size(late_ttft, slots):
+    """An engine with 4 slots: r5 and r6 queue behind r1-r4 and start when one of those ends. Two late
+    first bytes that count the same batch (the ones started or sent before, r itself) set the slots; first
+    bytes as soon as the prefill allows teach nothing."""
+    clock = Clock()
+    bal = mel(clock)
+    (a,) = backends("a")
+    rs = [_stream(bal, a, clock) for _ in range(6)]
+    for r in rs[:4]:
+        bal.first_byte(a, r, 0.04)
+    for done, late in ((rs[0], rs[4]), (rs[1], rs[5])):
+        clock.t += 1.0
+        bal.completed(a, done, Outcome(status=200, ok=True, completion_tokens=50))
+        clock.t += 0.5  # the next step admits the waiting one: its first byte comes a step later
+        bal.first_byte(a, late, late_ttft)
+    assert bal._model(a).slots == slots
+
+
+def test_a_late_first_byte_teaches_nothing_beside_a_non_streamed_request():
+    clock = Clock()
+    bal = mel(clock)
+    (a,) = backends("a")
+    bal.dispatched(a, req(prompt=1, out=50, stream=False))  # running or queued: its first byte is not seen
+    rs = [_stream(bal, a, clock) for _ in range(3)]
+    clock.t += 1.0
+    for r in rs:
+        bal.first_byte(a, r, 1.0)
+    assert bal._model(a).slots is None
+
+
 def test_external_load_is_what_the_gauges_show_beyond_our_own():
     clock = Clock()
     bal = mel(clock)

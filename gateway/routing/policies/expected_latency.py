@@ -20,7 +20,7 @@ from .sizes import Sizes, SizesByModel
 class BackendModel:
     """What the expected-latency policy knows about one backend."""
 
-    __slots__ = ("inflight", "area", "area_t", "w", "sn", "sy", "fit", "ext", "if_max", "slots", "kv", "kv_capacity", "prefixes", "signals")
+    __slots__ = ("full_at", "done", "inflight", "area", "area_t", "w", "sn", "sy", "fit", "ext", "if_max", "slots", "kv", "kv_capacity", "prefixes", "signals")
 
     def __init__(self, now: float, prefixes: PrefixMemory):
         self.inflight: dict[int, RequestInfo] = {}  # requests this gateway has on it
@@ -35,7 +35,9 @@ class BackendModel:
         self.fit = [0.0, 0.0, 0.0, 0.0, 0.0]
         self.ext = 0.0  # sequences on the backend that are not ours (other replicas, direct clients), from /metrics
         self.if_max = 0  # most of ours in flight since the last scrape
-        self.slots: int | None = None  # the engine's batch slots, learnt when /metrics shows a queue
+        self.slots: int | None = None  # the engine's batch slots, learnt when /metrics shows a queue or a first byte comes late
+        self.full_at = 0  # sequences on the backend at the last sign of a full batch (a slot is learnt when two agree)
+        self.done: list[float] = []  # when the last few of ours completed
         self.kv = 0.0  # KV tokens our in-flight requests will hold (prompt + output each)
         self.kv_capacity: float | None = None  # the engine's KV cache in tokens, from gpu_cache_usage_perc
         self.prefixes = prefixes
@@ -141,6 +143,7 @@ class ExpectedLatencyBalancer(Balancer):
     FIT_DECAY = 0.995  # γ follows the last ~200 completions of each backend
     GAMMA_PRIOR = 50.0  # the prior γ weighs as much as n̄ spread by ±1.6 over 20 completions
     MIN_RAMP = 0.1
+    LATE_STEPS = 3  # a first byte this many decode steps past twice its predicted prefill waited for a slot
     MAX_LOAD = 0.9  # the slot load u at which others_load's u/(1-u) stops growing (9x)
 
     def __init__(self, *args: Any, **kwargs: Any):
@@ -440,11 +443,32 @@ class ExpectedLatencyBalancer(Balancer):
         req.first_byte_at = now
         req.area_at = m.area
         sigma = self.sigma(backend, self._fleet)
+        if m.slots is None and ttft > 0:
+            self._learn_slots(m, req, ttft, sigma, now)
         if req.prefill_ahead > 0 and ttft > 0:
             # Seconds of prefill per token per σ: TTFT less one decode step.
             prefill = max(0.0, ttft - sigma * (1.0 + self.gamma * m.batch()))
             self._rho_num = self.DECAY * self._rho_num + prefill / sigma
             self._rho_den = self.DECAY * self._rho_den + req.prefill_ahead
+
+    def _learn_slots(self, m: BackendModel, req: RequestInfo, ttft: float, sigma: float, now: float) -> None:
+        """A first byte that comes well after r's prefill (counted at twice the prediction, as ρ is
+        learnt from these same TTFTs) waited in the engine's queue: the batch was full when r joined
+        it. The engine admits in order, so the batch is then every one of ours that has started or was
+        sent before r, the others' sequences, and those that finished in the step that admitted r.
+        Two such counts that agree set the slots; the gauges, 10 s apart, show a queue much later
+        (in the replay 40 s into a 60-s trace on the fastest backend) or not at all."""
+        step = sigma * (1.0 + self.gamma * m.batch())
+        if ttft - 2.0 * self.rho * sigma * req.prefill_ahead - step <= self.LATE_STEPS * step:
+            return
+        if not all(j.stream for j in m.inflight.values()):
+            return  # a non-streamed request shows no first byte: which of them run is not known
+        t0 = req.dispatched_at
+        batch = sum(1 for j in m.inflight.values() if j.first_byte_at or j.dispatched_at <= t0)
+        batch += int(m.ext) + sum(1 for t in m.done if now - t < 0.5 * step)
+        if batch == m.full_at:
+            m.slots = batch
+        m.full_at = batch
 
     def completed(self, backend: Backend, req: RequestInfo, outcome: Outcome) -> None:
         m = self._model(backend)
@@ -453,6 +477,9 @@ class ExpectedLatencyBalancer(Balancer):
         now = self.clock()
         m.advance(now)  # the batch integral still counts this request up to now
         del m.inflight[id(req)]
+        m.done.append(now)
+        if len(m.done) > 8:
+            del m.done[0]
         m.kv = max(0.0, m.kv - req.kv_tokens) if m.inflight else 0.0
         backend.in_flight -= 1
         if outcome.ok:
