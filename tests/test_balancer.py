@@ -599,15 +599,24 @@ def _stream(bal, b: Backend, clock: Clock) -> RequestInfo:
     return r
 
 
-@pytest.mark.parametrize("late_ttft, slots", [(1.0, 4), (0.04, None)])
-def test_first_bytes_that_waited_for_a_slot_teach_the_batch_size(late_ttft, slots):
+@pytest.mark.parametrize(
+    "late_ttft, kv_usage, slots",
+    [
+        (1.0, 0.3, 4),
+        (0.04, 0.3, None),  # first bytes as soon as the prefill allows
+        (1.0, 0.9, None),  # a nearly full KV cache: r5 and r6 may have waited for KV room, not a slot
+    ],
+)
+def test_first_bytes_that_waited_for_a_slot_teach_the_batch_size(late_ttft, kv_usage, slots):
     """An engine with 4 slots: r5 and r6 queue behind r1-r4 and start when one of those ends. Two late
     first bytes that count the same batch (the ones started or sent before, r itself) set the slots; first
-    bytes as soon as the prefill allows teach nothing."""
+    bytes as soon as the prefill allows teach nothing, nor late ones while the KV cache is nearly full."""
     clock = Clock()
     bal = mel(clock)
     (a,) = backends("a")
     rs = [_stream(bal, a, clock) for _ in range(6)]
+    bal.observe_signals(a, Signals(running=4, waiting=2, kv_usage=kv_usage, scraped_at=clock.t), changed=True)
+    bal._model(a).slots = None  # only the first bytes teach it here
     for r in rs[:4]:
         bal.first_byte(a, r, 0.04)
     for done, late in ((rs[0], rs[4]), (rs[1], rs[5])):

@@ -444,28 +444,31 @@ class ExpectedLatencyBalancer(Balancer):
         req.area_at = m.area
         sigma = self.sigma(backend, self._fleet)
         if m.slots is None and ttft > 0:
-            self._learn_slots(m, req, ttft, sigma, now)
+            self._learn_slots(m, req, ttft, sigma, now, max(m.ext, float(backend.remote_in_flight)))
         if req.prefill_ahead > 0 and ttft > 0:
             # Seconds of prefill per token per σ: TTFT less one decode step.
             prefill = max(0.0, ttft - sigma * (1.0 + self.gamma * m.batch()))
             self._rho_num = self.DECAY * self._rho_num + prefill / sigma
             self._rho_den = self.DECAY * self._rho_den + req.prefill_ahead
 
-    def _learn_slots(self, m: BackendModel, req: RequestInfo, ttft: float, sigma: float, now: float) -> None:
+    def _learn_slots(self, m: BackendModel, req: RequestInfo, ttft: float, sigma: float, now: float, ext: float) -> None:
         """A first byte that comes well after r's prefill (counted at twice the prediction, as ρ is
         learnt from these same TTFTs) waited in the engine's queue: the batch was full when r joined
         it. The engine admits in order, so the batch is then every one of ours that has started or was
         sent before r, the others' sequences, and those that finished in the step that admitted r.
         Two such counts that agree set the slots; the gauges, 10 s apart, show a queue much later
-        (in the replay 40 s into a 60-s trace on the fastest backend) or not at all."""
+        (in the replay 40 s into a 60-s trace on the fastest backend) or not at all. Not while the
+        KV cache is nearly full: then it may be KV room, not a slot, that r waited for."""
         step = sigma * (1.0 + self.gamma * m.batch())
         if ttft - 2.0 * self.rho * sigma * req.prefill_ahead - step <= self.LATE_STEPS * step:
+            return
+        if m.kv_capacity is not None and m.kv >= 0.8 * m.kv_capacity or m.signals is not None and m.signals.kv_usage >= 0.8:
             return
         if not all(j.stream for j in m.inflight.values()):
             return  # a non-streamed request shows no first byte: which of them run is not known
         t0 = req.dispatched_at
         batch = sum(1 for j in m.inflight.values() if j.first_byte_at or j.dispatched_at <= t0)
-        batch += int(m.ext) + sum(1 for t in m.done if now - t < 0.5 * step)
+        batch += int(ext) + sum(1 for t in m.done if now - t < 0.5 * step)
         if batch == m.full_at:
             m.slots = batch
         m.full_at = batch
