@@ -42,6 +42,7 @@ def backends(*ids: str) -> list[Backend]:
 def mel(clock: Clock | None = None, seed: int = 0, **cfg) -> ExpectedLatencyBalancer:
     cfg.setdefault("slow_start", 0.0)
     cfg.setdefault("others_weight", 0.0)  # the request's own latency only, unless a test asks
+    cfg.setdefault("others_load", 0.0)
     b = make_balancer("min_expected_latency", BalancerConfig(**cfg), clock=clock or Clock(), rng=random.Random(seed))
     assert isinstance(b, ExpectedLatencyBalancer)
     return b
@@ -93,6 +94,7 @@ def test_default_policy_is_min_expected_latency():
         ({"affinity_ttl": 0}, "balancer.affinity_ttl"),
         ({"slow_start": "soon"}, "balancer.slow_start: expected a number"),
         ({"affinty_bound": 0.2}, "unknown field (did you mean 'affinity_bound'?)"),
+        ({"others_load": -0.5}, "balancer.others_load: -0.5 is out of range"),
     ],
 )
 def test_invalid_balancer_config_is_refused_with_a_clear_message(section, message):
@@ -109,6 +111,7 @@ def test_invalid_balancer_config_is_refused_with_a_clear_message(section, messag
         ({"affinity_bound": 0}, "affinity_bound", 0.0),
         ({"slow_start": 10}, "slow_start", 10.0),
         ({"kv_penalty": 0}, "kv_penalty", 0.0),
+        ({"others_load": 0}, "others_load", 0.0),
     ],
 )
 def test_valid_balancer_config_is_read(section, field, value):
@@ -208,6 +211,46 @@ def test_others_weight_counts_the_queue_a_full_batch_builds():
     step = SIGMA0 * (1 + GAMMA0 * 2)
     stall = bal.rho * SIGMA0 * 1 * 2  # only the 2 in the batch wait for r's prefill
     assert lat_full - lat_own == pytest.approx(SIGMA0 * GAMMA0 * 150 + 2 * 100 * step / 2 + stall)
+
+
+@pytest.mark.parametrize(
+    "slots, running, u",
+    [
+        (8, 1, 2 / 8),  # r and one other: a quarter of the slots
+        (8, 5, 6 / 8),
+        (8, 7, 0.9),  # r takes the last slot: capped at MAX_LOAD
+        (4, 6, 0.9),  # a full batch with a queue: capped too
+    ],
+)
+def test_others_load_weighs_the_others_more_as_the_slots_fill(slots, running, u):
+    """With the slots known, ω is multiplied by 1 + others_load·u/(1-u): on a nearly full batch the sequences
+    that join while r runs wait for or share its slot. Without others_load the estimate is as before."""
+    (a,) = backends("a")
+    lats = {}
+    for extra in (0.0, 0.5):
+        bal = mel(others_weight=1.0, others_load=extra)
+        bal._model(a).slots = slots
+        load(bal, a, running, out=50)
+        lats[extra], _ = bal.explain([a], req(prompt=1, out=100))["a"]
+    base = mel(others_weight=0.0)
+    base._model(a).slots = slots
+    load(base, a, running, out=50)
+    own, _ = base.explain([a], req(prompt=1, out=100))["a"]
+    # The others' share of the estimate scales with ω: (1 + 0.5·u/(1-u)) times what it is at ω = 1.
+    assert lats[0.5] - own == pytest.approx((lats[0.0] - own) * (1.0 + 0.5 * u / (1.0 - u)))
+    assert lats[0.5] > lats[0.0]
+
+
+@pytest.mark.parametrize("slots, others_weight", [(None, 1.0), (8, 0.0)])
+def test_others_load_needs_the_slots_and_others_weight(slots, others_weight):
+    (a,) = backends("a")
+    lat = {}
+    for extra in (0.0, 2.0):
+        bal = mel(others_weight=others_weight, others_load=extra)
+        bal._model(a).slots = slots
+        load(bal, a, 5, out=50)
+        lat[extra], _ = bal.explain([a], req(prompt=1, out=100))["a"]
+    assert lat[2.0] == lat[0.0]
 
 
 def test_decoded_tokens_of_running_requests_are_no_longer_counted():
@@ -547,6 +590,53 @@ def test_a_few_waiting_between_two_steps_do_not_teach_the_batch_size():
     assert bal._model(a).slots == 8
     bal.observe_signals(a, Signals(running=12, waiting=0, scraped_at=clock.t), changed=True)
     assert bal._model(a).slots == 12  # never below what it was seen running
+
+
+def _stream(bal, b: Backend, clock: Clock) -> RequestInfo:
+    clock.t += 0.001  # sent one after another: the engine admits them in this order
+    r = req(prompt=1, out=50, stream=True)
+    bal.dispatched(b, r)
+    return r
+
+
+@pytest.mark.parametrize(
+    "late_ttft, kv_usage, slots",
+    [
+        (1.0, 0.3, 4),
+        (0.04, 0.3, None),  # first bytes as soon as the prefill allows
+        (1.0, 0.9, None),  # a nearly full KV cache: r5 and r6 may have waited for KV room, not a slot
+    ],
+)
+def test_first_bytes_that_waited_for_a_slot_teach_the_batch_size(late_ttft, kv_usage, slots):
+    """An engine with 4 slots: r5 and r6 queue behind r1-r4 and start when one of those ends. Two late
+    first bytes that count the same batch (the ones started or sent before, r itself) set the slots; first
+    bytes as soon as the prefill allows teach nothing, nor late ones while the KV cache is nearly full."""
+    clock = Clock()
+    bal = mel(clock)
+    (a,) = backends("a")
+    rs = [_stream(bal, a, clock) for _ in range(6)]
+    bal.observe_signals(a, Signals(running=4, waiting=2, kv_usage=kv_usage, scraped_at=clock.t), changed=True)
+    bal._model(a).slots = None  # only the first bytes teach it here
+    for r in rs[:4]:
+        bal.first_byte(a, r, 0.04)
+    for done, late in ((rs[0], rs[4]), (rs[1], rs[5])):
+        clock.t += 1.0
+        bal.completed(a, done, Outcome(status=200, ok=True, completion_tokens=50))
+        clock.t += 0.5  # the next step admits the waiting one: its first byte comes a step later
+        bal.first_byte(a, late, late_ttft)
+    assert bal._model(a).slots == slots
+
+
+def test_a_late_first_byte_teaches_nothing_beside_a_non_streamed_request():
+    clock = Clock()
+    bal = mel(clock)
+    (a,) = backends("a")
+    bal.dispatched(a, req(prompt=1, out=50, stream=False))  # running or queued: its first byte is not seen
+    rs = [_stream(bal, a, clock) for _ in range(3)]
+    clock.t += 1.0
+    for r in rs:
+        bal.first_byte(a, r, 1.0)
+    assert bal._model(a).slots is None
 
 
 def test_external_load_is_what_the_gauges_show_beyond_our_own():

@@ -69,6 +69,7 @@ class BalancerConfig:
     slow_start: float = 30.0  # seconds over which a backend back from ejection or unhealth ramps up to full share; 0 turns it off
     kv_penalty: float = 0.15  # seconds × k/(1-k), k = the backend's KV-cache usage (as in SGLang's least_load)
     others_weight: float = 1.5  # how much the delay a request adds to the others on a backend counts against it (0: none; above 1 for the requests that join the batch while it runs, which the estimate does not see)
+    others_load: float = 0.15  # with the slots known, others_weight is multiplied by 1 + this × u/(1-u), u = b's batch slots taken (r's included, at most 0.9): the sequences that will join a nearly full batch while r runs; 0: none
     objective: str = "e2e_plus_ttft"
     ttft_weight: float = 8.0  # e2e_plus_ttft: seconds of end-to-end latency one second of TTFT is worth
     ttft_slack: float = 0.5  # e2e_within_ttft: seconds a request may start later than on the backend that would start it first, if that finishes it sooner
@@ -88,6 +89,7 @@ def read_balancer(s: Section) -> BalancerConfig:
         slow_start=s.number("slow_start", d.slow_start, min=0, max=3600),
         kv_penalty=s.number("kv_penalty", d.kv_penalty, min=0, max=3600),
         others_weight=s.number("others_weight", d.others_weight, min=0, max=10),
+        others_load=s.number("others_load", d.others_load, min=0, max=10),
         objective=s.enum("objective", OBJECTIVES, d.objective),
         ttft_weight=s.number("ttft_weight", d.ttft_weight, min=0, max=1000),
         ttft_slack=s.number("ttft_slack", d.ttft_slack, min=0, max=3600),

@@ -20,7 +20,7 @@ from .sizes import Sizes, SizesByModel
 class BackendModel:
     """What the expected-latency policy knows about one backend."""
 
-    __slots__ = ("inflight", "area", "area_t", "w", "sn", "sy", "fit", "ext", "if_max", "slots", "kv", "kv_capacity", "prefixes", "signals")
+    __slots__ = ("full_at", "done", "inflight", "area", "area_t", "w", "sn", "sy", "fit", "ext", "if_max", "slots", "kv", "kv_capacity", "prefixes", "signals")
 
     def __init__(self, now: float, prefixes: PrefixMemory):
         self.inflight: dict[int, RequestInfo] = {}  # requests this gateway has on it
@@ -35,7 +35,9 @@ class BackendModel:
         self.fit = [0.0, 0.0, 0.0, 0.0, 0.0]
         self.ext = 0.0  # sequences on the backend that are not ours (other replicas, direct clients), from /metrics
         self.if_max = 0  # most of ours in flight since the last scrape
-        self.slots: int | None = None  # the engine's batch slots, learnt when /metrics shows a queue
+        self.slots: int | None = None  # the engine's batch slots, learnt when /metrics shows a queue or a first byte comes late
+        self.full_at = 0  # sequences on the backend at the last sign of a full batch (a slot is learnt when two agree)
+        self.done: list[float] = []  # when the last few of ours completed
         self.kv = 0.0  # KV tokens our in-flight requests will hold (prompt + output each)
         self.kv_capacity: float | None = None  # the engine's KV cache in tokens, from gpu_cache_usage_perc
         self.prefixes = prefixes
@@ -93,7 +95,12 @@ class ExpectedLatencyBalancer(Balancer):
       total latency added to the backend (r's own plus the slowdown and queueing it causes) to
       the sequences there now. The default 1.5 also counts, roughly, those that join b while r
       runs (the batch refills as it drains), which S and n_b do not see; over 8 seeds of the
-      replay it beats 1 on median, mean, TTFT and hit rate, for +2% at p99.
+      replay it beats 1 on median, mean, TTFT and hit rate, for +2% at p99. With slots_b known,
+      ω_b = ω·(1 + ``others_load``·u/(1-u)), u = min(0.9, (n_b + 1)/slots_b): the sequences that join
+      while r runs are few on an idle backend and many on one whose slots are nearly all taken (u/(1-u),
+      the mean queue of a server busy u of the time). It keeps the fastest backend from filling up
+      with long requests, which slowed every step there (bench/routing/README.md, ``slots=32``, 8
+      seeds of the replay, heterogeneous fleet: median 2.181 -> 2.125 s, p99 17.7 -> 17.3 s).
       q_b = how many would queue behind a full batch, r included. U_b(r) = r's uncached prompt
       tokens on b: its prefill runs inside one step of the whole batch, so each of the n_b sequences
       decoding there (at most slots_b) waits for it. This is what a prefix-cache hit saves the others,
@@ -136,6 +143,8 @@ class ExpectedLatencyBalancer(Balancer):
     FIT_DECAY = 0.995  # γ follows the last ~200 completions of each backend
     GAMMA_PRIOR = 50.0  # the prior γ weighs as much as n̄ spread by ±1.6 over 20 completions
     MIN_RAMP = 0.1
+    LATE_STEPS = 3  # a first byte this many decode steps past twice its predicted prefill waited for a slot
+    MAX_LOAD = 0.9  # the slot load u at which others_load's u/(1-u) stops growing (9x)
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -271,6 +280,13 @@ class ExpectedLatencyBalancer(Balancer):
         wait_s = wait * step
         lat += wait_s
         others = self.config.others_weight
+        if others and m.slots is not None and self.config.others_load:
+            # A batch near its slots refills as soon as a sequence leaves: the longer r holds a slot
+            # there, the more later arrivals wait for one or share its steps. u/(1-u) is the mean
+            # queue of a server busy u of the time; capped, as W_b and the queue term below count
+            # a full batch themselves.
+            u = min(self.MAX_LOAD, (len(rems) + ext + 1) / m.slots)
+            others *= 1.0 + self.config.others_load * u / (1.0 - u)
         if others:
             # What r costs the requests already there: σγ more per step they share, and, when the
             # batch is full, its decode time spread over the slots for each one queued behind it.
@@ -427,11 +443,35 @@ class ExpectedLatencyBalancer(Balancer):
         req.first_byte_at = now
         req.area_at = m.area
         sigma = self.sigma(backend, self._fleet)
+        if m.slots is None and ttft > 0:
+            self._learn_slots(m, req, ttft, sigma, now, max(m.ext, float(backend.remote_in_flight)))
         if req.prefill_ahead > 0 and ttft > 0:
             # Seconds of prefill per token per σ: TTFT less one decode step.
             prefill = max(0.0, ttft - sigma * (1.0 + self.gamma * m.batch()))
             self._rho_num = self.DECAY * self._rho_num + prefill / sigma
             self._rho_den = self.DECAY * self._rho_den + req.prefill_ahead
+
+    def _learn_slots(self, m: BackendModel, req: RequestInfo, ttft: float, sigma: float, now: float, ext: float) -> None:
+        """A first byte that comes well after r's prefill (counted at twice the prediction, as ρ is
+        learnt from these same TTFTs) waited in the engine's queue: the batch was full when r joined
+        it. The engine admits in order, so the batch is then every one of ours that has started or was
+        sent before r, the others' sequences, and those that finished in the step that admitted r.
+        Two such counts that agree set the slots; the gauges, 10 s apart, show a queue much later
+        (in the replay 40 s into a 60-s trace on the fastest backend) or not at all. Not while the
+        KV cache is nearly full: then it may be KV room, not a slot, that r waited for."""
+        step = sigma * (1.0 + self.gamma * m.batch())
+        if ttft - 2.0 * self.rho * sigma * req.prefill_ahead - step <= self.LATE_STEPS * step:
+            return
+        if m.kv_capacity is not None and m.kv >= 0.8 * m.kv_capacity or m.signals is not None and m.signals.kv_usage >= 0.8:
+            return
+        if not all(j.stream for j in m.inflight.values()):
+            return  # a non-streamed request shows no first byte: which of them run is not known
+        t0 = req.dispatched_at
+        batch = sum(1 for j in m.inflight.values() if j.first_byte_at or j.dispatched_at <= t0)
+        batch += int(ext) + sum(1 for t in m.done if now - t < 0.5 * step)
+        if batch == m.full_at:
+            m.slots = batch
+        m.full_at = batch
 
     def completed(self, backend: Backend, req: RequestInfo, outcome: Outcome) -> None:
         m = self._model(backend)
@@ -440,6 +480,9 @@ class ExpectedLatencyBalancer(Balancer):
         now = self.clock()
         m.advance(now)  # the batch integral still counts this request up to now
         del m.inflight[id(req)]
+        m.done.append(now)
+        if len(m.done) > 8:
+            del m.done[0]
         m.kv = max(0.0, m.kv - req.kv_tokens) if m.inflight else 0.0
         backend.in_flight -= 1
         if outcome.ok:
