@@ -33,6 +33,7 @@ from gateway.routing.pool import Backend  # noqa: E402
 from gateway.routing.queue import Admission, Waiter  # noqa: E402
 from gateway.routing.signals import Signals, update_signals  # noqa: E402
 from gateway.sim.prefix_cache import PrefixCache  # noqa: E402
+from gateway.state.cluster import apply_load, load_entry  # noqa: E402
 from gateway.sim.tokens import render_chat, text_prompt  # noqa: E402
 
 from .run import FLEETS, POLICIES  # noqa: E402
@@ -324,19 +325,19 @@ def replay(policy: str, speeds: list[float], trace, params: SimParams, cfg: Bala
 
     def exchange(r: int) -> None:
         # What Cluster does every state.load_interval: publish ours (and our placements), read the others'.
-        published[r] = {b.id: b.in_flight for b in fleets[r] if b.in_flight > 0}
+        published[r] = load_entry(fleets[r], bals[r])
         bal = bals[r]
         if bal.placements is not None and len(bal.placements):
             for bid, chains in bal.placements.drain().items():
                 for r2 in range(n):
                     if r2 != r:
                         bals[r2].learn_placements(fleets[r2][int(bid[1:])], chains)
-        lower = False
-        for b in fleets[r]:
-            total = sum(published[o].get(b.id, 0) for o in range(n) if o != r)
-            lower = lower or total < b.remote_in_flight
-            b.remote_in_flight = total
-        if lower and adms[r] is not None:
+        totals: dict[str, int] = {}
+        for o in range(n):
+            if o != r:
+                for k, v in published[o].items():
+                    totals[k] = totals.get(k, 0) + v
+        if apply_load(fleets[r], totals) and adms[r] is not None:
             drain(r)
         if pending():
             loop.at(loop.now + interval, exchange, r)

@@ -2,7 +2,9 @@
 
 - Load: every ``state.load_interval`` (and with each heartbeat) a replica writes its in-flight
   count per backend under a key that expires with ``state.lease_ttl`` (a dead replica's counts
-  vanish on their own) and reads the others'; their sum lands in ``Backend.remote_in_flight``.
+  vanish on their own) and reads the others'; their sum lands in ``Backend.remote_in_flight``. With a
+  balancer that models KV, also the KV tokens those requests reserve (``Backend.remote_kv``): its
+  prefix memory and the KV capacity it learns from /metrics need the whole backend's reservations.
   When it goes down on some backend, ``freed`` is called: the gateway queue may bind a waiter there.
 - Prefix placements: with a balancer that keeps a prefix memory (``shares_prefixes``), the prefix
   keys it sent to each backend since the last exchange ride on the same round trip, published on
@@ -37,6 +39,33 @@ MAX_CHAINS_PER_BACKEND = 1024  # in one received placements message (a sender lo
 MAX_CHAIN_KEYS = 16  # a prompt has at most len(routing.prefix.BOUNDARIES) keys
 # One sender's message is at most 1024 chains of 11 keys (~250 KB); anything larger is not one of ours.
 MAX_PLACEMENTS_BYTES = 1 << 20
+# A load entry's field for the KV tokens a replica's requests reserve on a backend: the prefix starts with
+# NUL, which no backend id does, and the value stays an integer (older replicas add every field as one).
+KV_FIELD = "\x00kv\x00"
+
+
+def load_entry(backends: Any, balancer: Any) -> dict[str, int]:
+    """What this replica publishes on the load exchange: its in-flight count per backend and, from a
+    balancer that models KV (``reserved_kv``), the KV tokens they reserve there."""
+    out: dict[str, int] = {}
+    for b in backends:
+        if b.in_flight > 0:
+            out[b.id] = b.in_flight
+            kv = int(balancer.reserved_kv(b)) if balancer is not None else 0
+            if kv > 0:
+                out[KV_FIELD + b.id] = kv
+    return out
+
+
+def apply_load(backends: Any, totals: dict[str, int]) -> bool:
+    """The other replicas' summed entries into each backend; True when some in-flight count went down."""
+    lower = False
+    for b in backends:
+        n = totals.get(b.id, 0)
+        lower = lower or n < b.remote_in_flight
+        b.remote_in_flight = n
+        b.remote_kv = totals.get(KV_FIELD + b.id, 0) if n else 0
+    return lower
 
 
 class Cluster:
@@ -49,6 +78,7 @@ class Cluster:
         self.freed = freed
         self.pool = pool
         self.make_backend = make_backend
+        self.policy = balancer
         self.balancer = balancer if balancer is not None and balancer.shares_prefixes else None
         self.prefixes = f"{store.cfg.prefix}:prefixes"
         self.placements: Any = None  # the balancer's outbox (routing.prefix.Placements)
@@ -64,7 +94,7 @@ class Cluster:
         self._sends: set[asyncio.Task[Any]] = set()
 
     def start(self) -> None:
-        self.store.local_load = lambda: {b.id: b.in_flight for b in self.pool if b.in_flight > 0}
+        self.store.local_load = lambda: load_entry(self.pool, self.policy)
         self.store.on_load = self._apply_load
         self.store.handlers[self.events] = self._on_event
         if self.balancer is not None:
@@ -99,12 +129,7 @@ class Cluster:
                 log.debug("load exchange: %s", exc.__class__.__name__)
 
     def _apply_load(self, totals: dict[str, int]) -> None:
-        lower = False
-        for b in self.pool:
-            n = totals.get(b.id, 0)
-            lower = lower or n < b.remote_in_flight
-            b.remote_in_flight = n
-        if lower and self.freed is not None:
+        if apply_load(self.pool, totals) and self.freed is not None:
             # Another replica's request finished: without this, a waiter here would wait for our own
             # next completion or /metrics poll to see the slot.
             self.freed()

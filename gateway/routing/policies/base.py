@@ -168,6 +168,11 @@ class Balancer:
     def learn_placements(self, backend: Backend, chains: Sequence[Sequence[int]]) -> None:
         """Another replica sent requests with these prefix key chains to ``backend`` (``shares_prefixes``)."""
 
+    def reserved_kv(self, backend: Backend) -> float:
+        """KV tokens this replica's requests in flight on ``backend`` will hold (0: not modelled); shared
+        on the load exchange, it lands in the other replicas' ``Backend.remote_kv``."""
+        return 0.0
+
     def _least(self, candidates: Sequence[Backend], score: Callable[[Backend], float]) -> Backend:
         """The lowest score, ties at random."""
         scored = [(score(b), b) for b in candidates]

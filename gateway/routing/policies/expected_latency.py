@@ -169,6 +169,10 @@ class ExpectedLatencyBalancer(Balancer):
     def forget(self, backend_id: str) -> None:
         self.models.forget(backend_id)
 
+    def reserved_kv(self, backend: Backend) -> float:
+        m = self.models.get(backend)
+        return m.kv if m is not None and m.inflight else 0.0
+
     def learn_placements(self, backend: Backend, chains: Sequence[Sequence[int]]) -> None:
         # Only the prefix memory: the other replica's load arrives as remote_in_flight.
         m, now = self._model(backend), self.clock()
@@ -216,7 +220,10 @@ class ExpectedLatencyBalancer(Balancer):
         if m.kv_capacity is None:
             return None
         ext = max(m.ext, float(b.remote_in_flight))
-        return max(0.0, m.kv_capacity - m.kv - ext * self._sizes(model).tokens_avg)
+        # The other replicas' reservations as they count them; the rest (direct clients, a replica that
+        # does not send its KV) at the mean request size.
+        known = b.remote_in_flight if b.remote_kv > 0 else 0
+        return max(0.0, m.kv_capacity - m.kv - b.remote_kv - max(0.0, ext - known) * self._sizes(model).tokens_avg)
 
     # -- the estimate -----------------------------------------------------------------------------
     def expected_latency(self, b: Backend, req: RequestInfo, now: float, fleet: float, depth: int | None = None) -> tuple[float, int]:
@@ -267,7 +274,7 @@ class ExpectedLatencyBalancer(Balancer):
         uncached = max(0.0, prompt - key_tokens(depth))
         prefill = rho * sigma * (queued + uncached)
         lat = prefill + sigma * (1.0 + g) * d + sigma * g * shared
-        wait = self._wait_steps(m, rems, prompt + d, int(ext), sizes.out_avg / 2)
+        wait = self._wait_steps(m, rems, prompt + d, int(ext), sizes.out_avg / 2, b.remote_in_flight if b.remote_kv > 0 else 0, b.remote_kv)
         wait_s = wait * step
         lat += wait_s
         others = self.config.others_weight
@@ -311,25 +318,28 @@ class ExpectedLatencyBalancer(Balancer):
         m = self._model(backend)
         if m.slots is not None and len(m.inflight) + int(max(m.ext, float(backend.remote_in_flight))) + 1 > m.slots:
             return False
-        if m.kv_capacity is not None and m.inflight:
+        if m.kv_capacity is not None and (m.inflight or backend.remote_kv > 0):
             self._prepare(req)
-            if m.kv + (self._sizes(req.model).prompt(req) + req.out_tokens) - m.kv_capacity > 0:
+            if m.kv + backend.remote_kv + (self._sizes(req.model).prompt(req) + req.out_tokens) - m.kv_capacity > 0:
                 return False
         return True
 
     @staticmethod
-    def _wait_steps(m: BackendModel, rems: list[tuple[float, float]], kv_new: float, ext: int = 0, ext_rem: float = 0.0) -> float:
+    def _wait_steps(m: BackendModel, rems: list[tuple[float, float]], kv_new: float, ext: int = 0, ext_rem: float = 0.0,
+                    remote: int = 0, remote_kv: float = 0.0) -> float:
         """Decode steps until r is admitted: a batch slot and room for its KV must both free up.
-        Sequences of others (``ext``, from /metrics) take slots too; each has ``ext_rem`` tokens left."""
+        Sequences of others (``ext``, from /metrics) take slots too; each has ``ext_rem`` tokens left.
+        ``remote`` of them are other replicas' requests that hold ``remote_kv`` KV tokens between them."""
         wait = 0.0
         if m.slots is not None and len(rems) + ext + 1 > m.slots:
             ahead = rems + [(ext_rem, 0.0)] * ext if ext else rems
             wait = heapq.nsmallest(len(ahead) + 1 - m.slots, ahead)[-1][0]
-        if m.kv_capacity is not None and rems:
-            need = m.kv + kv_new - m.kv_capacity
+        if m.kv_capacity is not None and (rems or remote):
+            need = m.kv + remote_kv + kv_new - m.kv_capacity
             if need > 0:
                 freed = 0.0
-                for rem, kv in sorted(rems):  # the first to finish free their KV first
+                held = rems + [(ext_rem, remote_kv / remote)] * remote if remote else rems
+                for rem, kv in sorted(held):  # the first to finish free their KV first
                     freed += kv
                     if freed >= need:
                         break
@@ -505,14 +515,19 @@ class ExpectedLatencyBalancer(Balancer):
                 m.slots = max(m.slots or 0, int(signals.running))
             elif m.slots is not None and signals.running > m.slots:
                 m.slots = int(signals.running)
-            if signals.kv_usage >= 0.2 and m.kv > 0:
-                # The KV our admitted requests hold over the usage the gauge shows. Admission is in
-                # order, so the newest `waiting` of ours are the ones not admitted. The gauge is up to a
-                # refresh old, hence the smoothing.
-                held = m.kv
+            if signals.kv_usage >= 0.2 and m.kv + backend.remote_kv > 0:
+                # The KV the admitted requests hold (ours, and the other replicas' as they report it) over
+                # the usage the gauge shows: without theirs, N replicas each learnt about 1/N of the cache.
+                # Admission is in order, so the newest `waiting` of ours are the ones not admitted (the
+                # others' share of the queue in proportion). The gauge is up to a refresh old, hence the smoothing.
+                held = m.kv + backend.remote_kv
                 queued = int(signals.waiting)
                 if queued:
-                    held -= sum(j.kv_tokens for j in itertools.islice(reversed(m.inflight.values()), queued))
+                    remote = backend.remote_in_flight if backend.remote_kv > 0 else 0
+                    ours = queued if not remote else round(queued * len(m.inflight) / (len(m.inflight) + remote))
+                    held -= sum(j.kv_tokens for j in itertools.islice(reversed(m.inflight.values()), ours))
+                    if remote:
+                        held -= backend.remote_kv * min(1.0, (queued - ours) / remote)
                 if held > 0:
                     cap = held / signals.kv_usage
                     m.kv_capacity = cap if m.kv_capacity is None else 0.7 * m.kv_capacity + 0.3 * cap
