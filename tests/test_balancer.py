@@ -812,3 +812,78 @@ def test_slow_start_is_relative_to_the_other_candidates():
     assert pa2.e2e == pytest.approx(pc.e2e)
     _, pb_plain = bal_plain.predict([c, Backend(id="d", url="http://d.invalid", models=frozenset({"m"}), healthy=True)], req(prompt=1, out=100))
     assert pb2.e2e == pytest.approx(pb_plain.e2e / 0.5)  # 0.2 over a's 0.4
+
+
+# -- several gateway replicas on one backend: the others' KV reservations ----------------------------------
+
+def _share(frm: ExpectedLatencyBalancer, b_from: Backend, b_to: Backend) -> None:
+    """What the load exchange carries from one replica to another (gateway/state/cluster.py)."""
+    from gateway.state.cluster import apply_load, load_entry
+
+    apply_load([b_to], load_entry([b_from], frm))
+
+
+@pytest.mark.parametrize(("each", "waiting"), [(2, 0), (3, 2)])
+def test_each_replica_learns_the_whole_kv_cache_from_the_gauge_with_the_others_reservations(each, waiting):
+    # Two replicas with `each` requests of 200 KV tokens on one engine of 1000; `waiting` of them are
+    # not admitted yet. Counting only its own, each replica learnt half the cache (N replicas: 1/N).
+    clock = Clock()
+    one, two = mel(clock), mel(clock, seed=1)
+    (a1,), (a2,) = backends("a"), backends("a")
+    load(one, a1, each, out=100, prompt=100)
+    load(two, a2, each, out=100, prompt=100)
+    assert one.reserved_kv(a1) == pytest.approx(200 * each)
+    usage = 200 * (2 * each - waiting) / 1000
+    gauge = Signals(running=2 * each - waiting, waiting=waiting, kv_usage=usage, scraped_at=clock.t)
+    one.observe_signals(a1, gauge, changed=True)
+    assert one._model(a1).kv_capacity < 600  # alone: its half of the reservations
+    _share(two, a2, a1)
+    _share(one, a1, a2)
+    assert (a1.remote_in_flight, a1.remote_kv) == (each, 200 * each)
+    fresh_one = mel(clock)
+    load(fresh_one, a1, each, out=100, prompt=100)
+    fresh_one.observe_signals(a1, gauge, changed=True)
+    two.observe_signals(a2, gauge, changed=True)
+    assert fresh_one._model(a1).kv_capacity == pytest.approx(1000)
+    assert two._model(a2).kv_capacity == pytest.approx(1000)
+
+
+def test_the_prefix_memory_keeps_what_the_others_reservations_leave_room_for():
+    doc = prefix_keys("d" * MAX_PREFIX_CHARS)  # 11 keys, 2048 tokens
+    depths = {}
+    for remote_kv in (0, 8000):
+        clock = Clock()
+        bal = mel(clock)
+        (a,) = backends("a")
+        bal._model(a).kv_capacity = 10000.0
+        a.remote_in_flight, a.remote_kv = 2, remote_kv  # 0: a replica that does not send its KV (mean size then)
+        bal.dispatched(a, req(2100, 100, keys=doc))
+        depths[remote_kv] = bal._model(a).prefixes.depth(doc, clock.t)
+    # 10000 - 2200 (this one) - 2 x 512 (the mean request size) leave room for the whole document;
+    # the others' 8000 reserved tokens leave none: the engine evicts it as soon as it is cached.
+    assert depths == {0: len(doc), 8000: 0}
+
+
+def test_the_others_reserved_kv_delays_a_request_that_does_not_fit():
+    clock = Clock()
+    bal = mel(clock)
+    (a,) = backends("a")
+    set_sigma(bal, a, 0.02)
+    bal._model(a).kv_capacity = 1000.0
+    r = req(100, 100)
+    assert bal.starts_at_once(a, r) and bal.predict([a], r)[0].wait == 0
+    a.remote_in_flight, a.remote_kv = 1, 900  # another replica's request holds 900 of the 1000
+    assert not bal.starts_at_once(a, r)
+    assert bal.predict([a], r)[0].wait > 0
+
+
+def test_a_replica_reports_the_kv_its_requests_in_flight_reserve():
+    bal = mel()
+    (a,) = backends("a")
+    assert bal.reserved_kv(a) == 0
+    rs = load(bal, a, 3, out=100, prompt=50)
+    assert bal.reserved_kv(a) == pytest.approx(450)
+    for r in rs:
+        bal.completed(a, r, Outcome(status=200, ok=True, prompt_tokens=50, completion_tokens=100))
+    assert bal.reserved_kv(a) == 0
+    assert make_balancer("least_in_flight").reserved_kv(a) == 0  # a policy without a KV model sends none
