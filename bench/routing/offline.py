@@ -33,7 +33,7 @@ from gateway.routing.pool import Backend  # noqa: E402
 from gateway.routing.queue import Admission, Waiter  # noqa: E402
 from gateway.routing.signals import Signals, update_signals  # noqa: E402
 from gateway.sim.prefix_cache import PrefixCache  # noqa: E402
-from gateway.state.cluster import apply_load, load_entry  # noqa: E402
+from gateway.state.cluster import apply_load, learn_placements, load_entry, placements_message  # noqa: E402
 from gateway.sim.tokens import render_chat, text_prompt  # noqa: E402
 
 from .run import FLEETS, POLICIES  # noqa: E402
@@ -207,7 +207,7 @@ def policy_spec(spec: str, cfg: BalancerConfig) -> tuple[str, BalancerConfig]:
 
 
 def replay(policy: str, speeds: list[float], trace, params: SimParams, cfg: BalancerConfig, seed: int = 0, warmup: float = 0.1,
-           replicas: int = 1, interval: float = 0.05) -> dict:
+           replicas: int = 1, interval: float = 0.05, push_gap: float = 0.0) -> dict:
     """``replicas`` > 1: that many gateways (a policy, its own Backend objects, queue and scrapes each)
     share the engines; request i goes to replica ``i % replicas``. Each sees the others only as the
     load exchange (``gateway/state/cluster.py``) shows them: every ``interval`` a replica publishes
@@ -245,6 +245,7 @@ def replay(policy: str, speeds: list[float], trace, params: SimParams, cfg: Bala
                                             prompt_tokens=s.tokens, completion_tokens=s.out, cached_tokens=s.cached))
         t0 = arrived.pop(s.index)
         results[s.index] = (loop.now - t0, s.first - t0)
+        changed(r)
         if adms[r] is not None:
             adms[r].completed("m")
             drain(r)
@@ -253,6 +254,7 @@ def replay(policy: str, speeds: list[float], trace, params: SimParams, cfg: Bala
     signals = [[Signals(max_age=30.0) for _ in speeds] for _ in range(n)]
 
     def submit(r: int, b: Backend, i: int, item, req) -> None:
+        changed(r)
         e = engines[fleets[r].index(b)]
         prompt = text_prompt(render_chat(item.body), params.block_tokens)
         e.submit(Seq(i, prompt.tokens, prompt.blocks, item.output_tokens, req, loop.now))
@@ -323,15 +325,42 @@ def replay(policy: str, speeds: list[float], trace, params: SimParams, cfg: Bala
 
     published: list[dict[str, int]] = [{} for _ in range(n)]  # each replica's last load entry
 
+    pushing = [False] * n
+    last_push = [-1.0] * n
+
+    def changed(r: int) -> None:
+        # push_gap > 0: a replica publishes its entry soon after its load changes (at most every
+        # push_gap s), and the others apply it on arrival (pub/sub, 1 ms), between the regular exchanges.
+        if n > 1 and push_gap > 0 and not pushing[r]:
+            pushing[r] = True
+            loop.at(max(loop.now, last_push[r] + push_gap), push, r)
+
+    def push(r: int) -> None:
+        pushing[r] = False
+        last_push[r] = loop.now
+        published[r] = load_entry(fleets[r], bals[r])
+        for o in range(n):
+            if o != r:
+                loop.at(loop.now + 0.001, read, o)
+
+    def read(r: int) -> None:
+        totals: dict[str, int] = {}
+        for o in range(n):
+            if o != r:
+                for k, v in published[o].items():
+                    totals[k] = totals.get(k, 0) + v
+        if apply_load(fleets[r], totals) and adms[r] is not None:
+            drain(r)
+
     def exchange(r: int) -> None:
         # What Cluster does every state.load_interval: publish ours (and our placements), read the others'.
         published[r] = load_entry(fleets[r], bals[r])
         bal = bals[r]
         if bal.placements is not None and len(bal.placements):
-            for bid, chains in bal.placements.drain().items():
-                for r2 in range(n):
-                    if r2 != r:
-                        bals[r2].learn_placements(fleets[r2][int(bid[1:])], chains)
+            msg = placements_message(f"r{r}", bal.placements)  # as Cluster sends it, and reads it below
+            for r2 in range(n):
+                if r2 != r:
+                    learn_placements(msg, f"r{r2}", lambda bid, r2=r2: fleets[r2][int(bid[1:])], bals[r2])
         totals: dict[str, int] = {}
         for o in range(n):
             if o != r:
@@ -397,6 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mean", action="store_true", help="per fleet and load, also print each policy's figures averaged over --seeds")
     ap.add_argument("--replicas", type=int, default=1, help="gateways sharing the fleet, requests alternated (the replicas scenario)")
     ap.add_argument("--load-interval", type=float, default=0.05, help="with --replicas: seconds between load exchanges")
+    ap.add_argument("--push-gap", type=float, default=0.0, help="with --replicas: also publish a replica's load this soon after it changes")
     ap.add_argument("--mixed", action="store_true", help="interactive short requests (key ui) at --loads, alone and with a batch flood (key bulk) at 100%%")
     args = ap.parse_args(argv)
     params = SimParams()
@@ -426,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"\n{fleet} {load:.0%} seed {seed}: {len(trace.items)} requests")
                 base = None
                 for policy in args.policies.split(","):
-                    r = replay(policy, speeds, trace, params, cfg, seed, replicas=args.replicas, interval=args.load_interval)
+                    r = replay(policy, speeds, trace, params, cfg, seed, replicas=args.replicas, interval=args.load_interval, push_gap=args.push_gap)
                     runs.setdefault(policy, []).append(r)
                     base = base or r
                     print(f"  {policy:<36} lat mean {r['lat_mean']:6.2f} p50 {r['lat_p50']:6.2f} p99 {r['lat_p99']:6.2f} "

@@ -68,6 +68,44 @@ def apply_load(backends: Any, totals: dict[str, int]) -> bool:
     return lower
 
 
+MAX_PROMPT_TOKENS = 10_000_000  # a placed prompt's size; larger is not a real prompt
+
+
+def placements_message(replica: str, placements: Any) -> bytes:
+    """The placements since the last exchange (``routing.prefix.Placements``), drained into one message:
+    ``p`` the key chains per backend, ``t`` their prompts' tokens in the same order (a replica that
+    predates ``t`` reads ``p`` alone)."""
+    chains, tokens = placements.drain_sized()
+    return orjson.dumps({"from": replica, "p": chains, "t": tokens})
+
+
+def learn_placements(data: bytes | str, replica: str, backend: Callable[[str], Any], balancer: Any) -> None:
+    """Another replica's placements message into ``balancer``'s prefix memory. Redis content is not
+    trusted: the size is checked before the parse, every chain and count is validated, and a backend's
+    token counts that are not one valid count per chain are ignored (its chains still count)."""
+    if len(data) > MAX_PLACEMENTS_BYTES:
+        return  # checked before the parse: its cost stays bounded whatever lands on the channel
+    try:
+        msg = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return
+    if not isinstance(msg, dict) or msg.get("from") == replica or not isinstance(msg.get("p"), dict):
+        return
+    sizes = msg.get("t")
+    for bid, chains in msg["p"].items():
+        b = backend(bid)
+        if b is None or not isinstance(chains, list):
+            continue  # a backend this replica does not have (yet)
+        tokens = sizes.get(bid) if isinstance(sizes, dict) else None
+        if not (isinstance(tokens, list) and len(tokens) == len(chains)
+                and all(type(t) is int and 0 <= t <= MAX_PROMPT_TOKENS for t in tokens[-MAX_CHAINS_PER_BACKEND:])):
+            tokens = None
+        valid = [i for i, c in enumerate(chains[-MAX_CHAINS_PER_BACKEND:], start=max(0, len(chains) - MAX_CHAINS_PER_BACKEND))
+                 if isinstance(c, list) and 0 < len(c) <= MAX_CHAIN_KEYS and all(type(k) is int for k in c)]
+        if valid:
+            balancer.learn_placements(b, [chains[i] for i in valid], [tokens[i] for i in valid] if tokens is not None else None)
+
+
 class Cluster:
     def __init__(self, store: RedisStore, pool: Any, make_backend: Any, *, publish_backends: bool, follow_backends: bool,
                  backend_key: str | None = None, freed: Callable[[], None] | None = None, balancer: Any = None) -> None:
@@ -138,25 +176,10 @@ class Cluster:
     def _placements_message(self) -> tuple[str, bytes] | None:
         if self.placements is None or not len(self.placements):
             return None
-        return self.prefixes, orjson.dumps({"from": self.store.replica, "p": self.placements.drain()})
+        return self.prefixes, placements_message(self.store.replica, self.placements)
 
     def _on_placements(self, data: bytes | str) -> None:
-        if len(data) > MAX_PLACEMENTS_BYTES:
-            return  # checked before the parse: its cost stays bounded whatever lands on the channel
-        try:
-            msg = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            return
-        if not isinstance(msg, dict) or msg.get("from") == self.store.replica or not isinstance(msg.get("p"), dict):
-            return
-        for bid, chains in msg["p"].items():
-            b = self.pool.get(bid)
-            if b is None or not isinstance(chains, list):
-                continue  # a backend this replica does not have (yet)
-            valid = [c for c in chains[-MAX_CHAINS_PER_BACKEND:]
-                     if isinstance(c, list) and 0 < len(c) <= MAX_CHAIN_KEYS and all(type(k) is int for k in c)]
-            if valid:
-                self.balancer.learn_placements(b, valid)
+        learn_placements(data, self.store.replica, self.pool.get, self.balancer)
 
     # -- ejection ----------------------------------------------------------------------------------
     def _on_change(self, b: Any) -> None:

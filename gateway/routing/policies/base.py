@@ -165,8 +165,9 @@ class Balancer:
             self.placements = Placements()
         return self.placements
 
-    def learn_placements(self, backend: Backend, chains: Sequence[Sequence[int]]) -> None:
-        """Another replica sent requests with these prefix key chains to ``backend`` (``shares_prefixes``)."""
+    def learn_placements(self, backend: Backend, chains: Sequence[Sequence[int]], tokens: Sequence[int] | None = None) -> None:
+        """Another replica sent requests with these prefix key chains to ``backend`` (``shares_prefixes``);
+        ``tokens``: each one's prompt tokens, in the same order (None: an older replica did not say)."""
 
     def reserved_kv(self, backend: Backend) -> float:
         """KV tokens this replica's requests in flight on ``backend`` will hold (0: not modelled); shared

@@ -20,7 +20,7 @@ from .sizes import Sizes, SizesByModel
 class BackendModel:
     """What the expected-latency policy knows about one backend."""
 
-    __slots__ = ("inflight", "area", "area_t", "w", "sn", "sy", "fit", "ext", "if_max", "slots", "kv", "kv_capacity", "prefixes", "signals")
+    __slots__ = ("inflight", "area", "area_t", "w", "sn", "sy", "fit", "ext", "remote", "remote_max", "if_max", "slots", "kv", "kv_capacity", "prefixes", "signals")
 
     def __init__(self, now: float, prefixes: PrefixMemory):
         self.inflight: dict[int, RequestInfo] = {}  # requests this gateway has on it
@@ -33,7 +33,9 @@ class BackendModel:
         self.sy = 0.0
         # Slower sums for the slope of y on n̄ (γ is a property of model and engine): w, Σn, Σn², Σy, Σny.
         self.fit = [0.0, 0.0, 0.0, 0.0, 0.0]
-        self.ext = 0.0  # sequences on the backend that are not ours (other replicas, direct clients), from /metrics
+        self.ext = 0.0  # sequences on the backend that no gateway replica sent (direct clients), from /metrics
+        self.remote = 0  # the other gateway replicas' requests on it (the load exchange's Backend.remote_in_flight)
+        self.remote_max = 0  # most of theirs since the last scrape
         self.if_max = 0  # most of ours in flight since the last scrape
         self.slots: int | None = None  # the engine's batch slots, learnt when /metrics shows a queue
         self.kv = 0.0  # KV tokens our in-flight requests will hold (prompt + output each)
@@ -43,7 +45,7 @@ class BackendModel:
 
     def batch(self) -> float:
         """Sequences in the engine's batch: ours and others', at most its slots (the rest wait)."""
-        n = len(self.inflight) + self.ext
+        n = len(self.inflight) + self.ext + self.remote
         return n if self.slots is None or n <= self.slots else float(self.slots)
 
     def advance(self, now: float) -> None:
@@ -157,6 +159,14 @@ class ExpectedLatencyBalancer(Balancer):
 
     def _model(self, b: Backend) -> BackendModel:
         m = self.models(b)
+        if m.remote != b.remote_in_flight:
+            # The others' requests count in the batch, for the step time and the ∫batch dt that σ is
+            # learnt from: without them, each of N replicas saw a busy backend's batch as ~1/N of it,
+            # learnt its σ too high and kept requests off the fastest backends.
+            m.advance(self.clock())
+            m.remote = b.remote_in_flight
+            if m.remote > m.remote_max:
+                m.remote_max = m.remote
         if m.slots is None and b.slots is not None:
             # Slots the launcher knows (the group's max_batch_size, the sim's default): no need to
             # wait for /metrics to show a queue. ``balancer.slots`` still wins when set.
@@ -173,11 +183,13 @@ class ExpectedLatencyBalancer(Balancer):
         m = self.models.get(backend)
         return m.kv if m is not None and m.inflight else 0.0
 
-    def learn_placements(self, backend: Backend, chains: Sequence[Sequence[int]]) -> None:
-        # Only the prefix memory: the other replica's load arrives as remote_in_flight.
+    def learn_placements(self, backend: Backend, chains: Sequence[Sequence[int]], tokens: Sequence[int] | None = None) -> None:
+        # Only the prefix memory: the other replica's load arrives as remote_in_flight and remote_kv.
+        # With each prompt's size, the memory evicts past the room as for a prompt placed here.
         m, now = self._model(backend), self.clock()
-        for keys in chains:
-            m.prefixes.add(tuple(keys), now)
+        room = self._room(backend, m, min(backend.models)) if tokens is not None and backend.models else None
+        for i, keys in enumerate(chains):
+            m.prefixes.add(tuple(keys), now, tokens[i] if room is not None else 0.0, room)
 
     @property
     def rho(self) -> float:
@@ -219,7 +231,7 @@ class ExpectedLatencyBalancer(Balancer):
         and the others' at the mean request size); None while the KV capacity is unknown."""
         if m.kv_capacity is None:
             return None
-        ext = max(m.ext, float(b.remote_in_flight))
+        ext = m.ext + b.remote_in_flight
         # The other replicas' reservations as they count them; the rest (direct clients, a replica that
         # does not send its KV) at the mean request size.
         known = b.remote_in_flight if b.remote_kv > 0 else 0
@@ -263,9 +275,9 @@ class ExpectedLatencyBalancer(Balancer):
             rems.append((rem, j.kv_tokens))
         sizes = self._sizes(req.model)
         ext_rem = 0.0
-        # Others' sequences on b: what its /metrics shows beyond ours, or what the other gateway
-        # replicas report through the shared state (fresher), whichever is more.
-        ext = max(m.ext, float(b.remote_in_flight))
+        # Others' sequences on b: the other gateway replicas' (the load exchange, 50 ms old at most)
+        # and what its /metrics shows beyond every replica's.
+        ext = m.ext + b.remote_in_flight
         if ext:
             ext_rem = min(sizes.out_avg / 2, d)
             shared += ext * ext_rem
@@ -316,7 +328,7 @@ class ExpectedLatencyBalancer(Balancer):
         # without walking the requests in flight: a free batch slot (or none known) and KV room
         # (or no capacity known), with the same arithmetic as there.
         m = self._model(backend)
-        if m.slots is not None and len(m.inflight) + int(max(m.ext, float(backend.remote_in_flight))) + 1 > m.slots:
+        if m.slots is not None and len(m.inflight) + int(m.ext + backend.remote_in_flight) + 1 > m.slots:
             return False
         if m.kv_capacity is not None and (m.inflight or backend.remote_kv > 0):
             self._prepare(req)
@@ -426,7 +438,7 @@ class ExpectedLatencyBalancer(Balancer):
         # drops what the engine's LRU would.
         m.prefixes.add(req.prefix_keys, now, prompt, self._room(backend, m, req.model))
         if req.prefix_keys and self.placements is not None:
-            self.placements.record(backend.id, req.prefix_keys)
+            self.placements.record(backend.id, req.prefix_keys, int(prompt))
 
     def first_byte(self, backend: Backend, req: RequestInfo, ttft: float) -> None:
         m = self._model(backend)
@@ -508,7 +520,10 @@ class ExpectedLatencyBalancer(Balancer):
         m.advance(self.clock())
         if changed:
             seen = signals.running + signals.waiting
-            m.ext = max(0.0, seen - m.if_max)
+            # Beyond the most that this and the other replicas had there since the last scrape: the
+            # gauges are up to 10 s old, and counting the replicas' requests from them (instead of
+            # the exchange's fresh count) held a burst's load on a backend for seconds after it left.
+            m.ext = max(0.0, seen - m.if_max - m.remote_max)
             if signals.running > 0 and signals.waiting >= max(2.0, 0.25 * signals.running) and signals.kv_usage < 0.8:
                 # A real queue (not the few that arrived during one step) while the KV cache has
                 # room: every batch slot is taken.
@@ -534,3 +549,4 @@ class ExpectedLatencyBalancer(Balancer):
         if not signals.fresh(self.clock()):
             m.ext = 0.0
         m.if_max = len(m.inflight)
+        m.remote_max = m.remote
