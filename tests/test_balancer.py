@@ -832,7 +832,7 @@ def test_each_replica_learns_the_whole_kv_cache_from_the_gauge_with_the_others_r
     (a1,), (a2,) = backends("a"), backends("a")
     load(one, a1, each, out=100, prompt=100)
     load(two, a2, each, out=100, prompt=100)
-    assert one.reserved_kv(a1) == pytest.approx(200 * each)
+    assert one.shared_load(a1)[0] == pytest.approx(200 * each)
     usage = 200 * (2 * each - waiting) / 1000
     gauge = Signals(running=2 * each - waiting, waiting=waiting, kv_usage=usage, scraped_at=clock.t)
     one.observe_signals(a1, gauge, changed=True)
@@ -872,18 +872,49 @@ def test_the_others_reserved_kv_delays_a_request_that_does_not_fit():
     bal._model(a).kv_capacity = 1000.0
     r = req(100, 100)
     assert bal.starts_at_once(a, r) and bal.predict([a], r)[0].wait == 0
-    a.remote_in_flight, a.remote_kv = 1, 900  # another replica's request holds 900 of the 1000
+    a.remote_in_flight, a.remote_kv, a.remote_decode = 1, 900, 80  # another replica's request holds 900 of the 1000, 80 tokens to go
     assert not bal.starts_at_once(a, r)
     assert bal.predict([a], r)[0].wait > 0
 
 
-def test_a_replica_reports_the_kv_its_requests_in_flight_reserve():
-    bal = mel()
+def test_a_replica_reports_what_its_requests_in_flight_hold():
+    clock = Clock()
+    bal = mel(clock)
     (a,) = backends("a")
-    assert bal.reserved_kv(a) == 0
-    rs = load(bal, a, 3, out=100, prompt=50)
-    assert bal.reserved_kv(a) == pytest.approx(450)
+    set_sigma(bal, a, 0.01)
+    assert bal.shared_load(a) == (0, 0, 0)
+    rs = [req(50, 100, stream=True) for _ in range(3)]
+    for r in rs:
+        bal.dispatched(a, r)
+    kv, decode, prefill = bal.shared_load(a)
+    assert (kv, decode, prefill) == pytest.approx((450, 300, 150))  # nothing streamed yet: all to prefill and decode
+    bal.first_byte(a, rs[0], 0.1)
+    clock.t += 0.5  # rs[0] decodes at ~0.01 s a token
+    kv, decode, prefill = bal.shared_load(a)
+    assert kv == pytest.approx(450) and prefill == pytest.approx(100) and 200 < decode < 260
     for r in rs:
         bal.completed(a, r, Outcome(status=200, ok=True, prompt_tokens=50, completion_tokens=100))
-    assert bal.reserved_kv(a) == 0
-    assert make_balancer("least_in_flight").reserved_kv(a) == 0  # a policy without a KV model sends none
+    assert bal.shared_load(a) == (0, 0, 0)
+    assert make_balancer("least_in_flight").shared_load(a) == (0, 0, 0)  # a policy without a model sends none
+
+
+def test_the_others_work_told_by_their_replicas_weighs_as_much_as_our_own():
+    # One backend with 4 of our requests, another with 4 of another replica's, the same in every way:
+    # the estimate must be the same (it was "half the mean output, 10% in prefill" for theirs).
+    clock = Clock()
+    one, two = mel(clock), mel(clock, seed=1)
+    a, b = backends("a", "b")
+    (b2,) = backends("b")
+    for x in (a, b):
+        set_sigma(one, x, 0.02)
+    for bal, x in ((one, a), (two, b2)):
+        for _ in range(4):
+            bal.dispatched(x, req(400, 300, stream=True))
+    _share(two, b2, b)
+    assert (b.remote_in_flight, b.remote_kv, b.remote_decode, b.remote_prefill) == (4, 2800, 1200, 1600)
+    r = req(100, 50)
+    one._prepare(r)
+    lat = one.explain([a, b], r)
+    assert lat["a"][0] == pytest.approx(lat["b"][0], rel=1e-6)
+    b.remote_kv = 0  # a replica that does not tell: the rough guess, which differs
+    assert one.explain([a, b], r)["b"][0] != pytest.approx(lat["a"][0], rel=1e-3)

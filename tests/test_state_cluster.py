@@ -116,8 +116,9 @@ def test_load_exchange_sums_the_other_replicas_counts_and_a_closing_replica_stop
     asyncio.run(run())
 
 
-def test_the_kv_a_replicas_requests_reserve_reaches_the_other_and_a_bad_entry_is_skipped_field_by_field(redis_server):
-    """Through a real Redis: one replica's reserved KV per backend lands in the other's ``Backend.remote_kv``;
+def test_what_a_replicas_requests_hold_reaches_the_other_and_a_bad_entry_is_skipped_field_by_field(redis_server):
+    """Through a real Redis: what one replica's requests hold on a backend (KV, output left, prefill) lands
+    in the other's ``Backend.remote_kv``/``remote_decode``/``remote_prefill``;
     a load entry written by anyone else (Redis content is not trusted) neither breaks the exchange nor
     counts beyond its valid fields, and an entry with too many fields counts not at all."""
     import asyncio
@@ -135,7 +136,7 @@ def test_the_kv_a_replicas_requests_reserve_reaches_the_other_and_a_bad_entry_is
     mine = [Backend(id=f"sim-{i}", url="", models=frozenset({"m"})) for i in range(2)]
     theirs = [Backend(id=f"sim-{i}", url="", models=frozenset({"m"})) for i in range(2)]
     for _ in range(2):
-        r = RequestInfo(model="m", prompt_tokens=300, max_tokens=100)
+        r = RequestInfo(model="m", prompt_tokens=300, max_tokens=100, stream=True)
         bal.dispatched(mine[0], r)
 
     async def run() -> None:
@@ -154,13 +155,14 @@ def test_the_kv_a_replicas_requests_reserve_reaches_the_other_and_a_bad_entry_is
             b.on_load = lambda totals: apply_load(theirs, totals)
             await a.exchange_load()
             await b.exchange_load()
-            assert (theirs[0].remote_in_flight, theirs[0].remote_kv) == (2, 800)  # 2 x (300 + 100)
+            # 2 x (300 + 100) KV, 2 x 100 to decode, 2 x 300 to prefill (no first byte yet)
+            assert (theirs[0].remote_in_flight, theirs[0].remote_kv, theirs[0].remote_decode, theirs[0].remote_prefill) == (2, 800, 200, 600)
             assert (theirs[1].remote_in_flight, theirs[1].remote_kv) == (7, 0)  # the intruder's one valid field
             for r in list(bal.models(mine[0]).inflight.values()):
                 bal.completed(mine[0], r, Outcome(status=200, ok=False))
             await a.exchange_load()
             await b.exchange_load()
-            assert (theirs[0].remote_in_flight, theirs[0].remote_kv) == (0, 0)  # done: neither counted
+            assert (theirs[0].remote_in_flight, theirs[0].remote_kv, theirs[0].remote_decode) == (0, 0, 0)  # done: none counted
         finally:
             await a.r.aclose()
             await b.r.aclose()

@@ -3,8 +3,9 @@
 - Load: every ``state.load_interval`` (and with each heartbeat) a replica writes its in-flight
   count per backend under a key that expires with ``state.lease_ttl`` (a dead replica's counts
   vanish on their own) and reads the others'; their sum lands in ``Backend.remote_in_flight``. With a
-  balancer that models KV, also the KV tokens those requests reserve (``Backend.remote_kv``): its
-  prefix memory and the KV capacity it learns from /metrics need the whole backend's reservations.
+  balancer that models them, also what those requests hold (``Backend.remote_kv``, ``remote_decode``,
+  ``remote_prefill``): its prefix memory and the KV capacity it learns from /metrics need the whole
+  backend's reservations, and its latency estimate the others' work, not only their number.
   When it goes down on some backend, ``freed`` is called: the gateway queue may bind a waiter there.
 - Prefix placements: with a balancer that keeps a prefix memory (``shares_prefixes``), the prefix
   keys it sent to each backend since the last exchange ride on the same round trip, published on
@@ -39,21 +40,27 @@ MAX_CHAINS_PER_BACKEND = 1024  # in one received placements message (a sender lo
 MAX_CHAIN_KEYS = 16  # a prompt has at most len(routing.prefix.BOUNDARIES) keys
 # One sender's message is at most 1024 chains of 11 keys (~250 KB); anything larger is not one of ours.
 MAX_PLACEMENTS_BYTES = 1 << 20
-# A load entry's field for the KV tokens a replica's requests reserve on a backend: the prefix starts with
-# NUL, which no backend id does, and the value stays an integer (older replicas add every field as one).
+# A load entry's fields beside the in-flight count: what a replica's requests on a backend hold, as its
+# balancer counts it (KV tokens reserved, output tokens left, prompt tokens to prefill). Each name starts
+# with NUL, which no backend id does, and each value stays an integer (an older replica adds every field
+# up as a count of some backend it does not have).
 KV_FIELD = "\x00kv\x00"
+DECODE_FIELD = "\x00dec\x00"
+PREFILL_FIELD = "\x00pre\x00"
 
 
 def load_entry(backends: Any, balancer: Any) -> dict[str, int]:
     """What this replica publishes on the load exchange: its in-flight count per backend and, from a
-    balancer that models KV (``reserved_kv``), the KV tokens they reserve there."""
+    balancer that models them (``shared_load``), what those requests hold there."""
     out: dict[str, int] = {}
     for b in backends:
         if b.in_flight > 0:
             out[b.id] = b.in_flight
-            kv = int(balancer.reserved_kv(b)) if balancer is not None else 0
-            if kv > 0:
-                out[KV_FIELD + b.id] = kv
+            kv, decode, prefill = balancer.shared_load(b) if balancer is not None else (0.0, 0.0, 0.0)
+            if kv >= 1:  # the sign that the rest is told: a request in flight holds some KV
+                out[KV_FIELD + b.id] = int(kv)
+                out[DECODE_FIELD + b.id] = int(decode)
+                out[PREFILL_FIELD + b.id] = int(prefill)
     return out
 
 
@@ -64,7 +71,10 @@ def apply_load(backends: Any, totals: dict[str, int]) -> bool:
         n = totals.get(b.id, 0)
         lower = lower or n < b.remote_in_flight
         b.remote_in_flight = n
-        b.remote_kv = totals.get(KV_FIELD + b.id, 0) if n else 0
+        told = n > 0 and totals.get(KV_FIELD + b.id, 0) > 0
+        b.remote_kv = totals[KV_FIELD + b.id] if told else 0
+        b.remote_decode = totals.get(DECODE_FIELD + b.id, 0) if told else 0
+        b.remote_prefill = totals.get(PREFILL_FIELD + b.id, 0) if told else 0
     return lower
 
 

@@ -169,10 +169,11 @@ class Balancer:
         """Another replica sent requests with these prefix key chains to ``backend`` (``shares_prefixes``);
         ``tokens``: each one's prompt tokens, in the same order (None: an older replica did not say)."""
 
-    def reserved_kv(self, backend: Backend) -> float:
-        """KV tokens this replica's requests in flight on ``backend`` will hold (0: not modelled); shared
-        on the load exchange, it lands in the other replicas' ``Backend.remote_kv``."""
-        return 0.0
+    def shared_load(self, backend: Backend) -> tuple[float, float, float]:
+        """What this replica's requests in flight on ``backend`` hold, for the other replicas (the load
+        exchange; their ``Backend.remote_kv``, ``remote_decode``, ``remote_prefill``): (KV tokens they
+        reserve, output tokens they have left, prompt tokens still to prefill). Zeros: not modelled."""
+        return 0.0, 0.0, 0.0
 
     def _least(self, candidates: Sequence[Backend], score: Callable[[Backend], float]) -> Backend:
         """The lowest score, ties at random."""

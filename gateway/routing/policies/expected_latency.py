@@ -179,10 +179,6 @@ class ExpectedLatencyBalancer(Balancer):
     def forget(self, backend_id: str) -> None:
         self.models.forget(backend_id)
 
-    def reserved_kv(self, backend: Backend) -> float:
-        m = self.models.get(backend)
-        return m.kv if m is not None and m.inflight else 0.0
-
     def learn_placements(self, backend: Backend, chains: Sequence[Sequence[int]], tokens: Sequence[int] | None = None) -> None:
         # Only the prefix memory: the other replica's load arrives as remote_in_flight and remote_kv.
         # With each prompt's size, the memory evicts past the room as for a prompt placed here.
@@ -254,39 +250,34 @@ class ExpectedLatencyBalancer(Balancer):
         n = m.batch()
         step = sigma * (1.0 + g * n)
         rho = self.rho  # a property: once per estimate, not once per request in flight
-        queued = 0.0
+        queued, rems = self._progress(m, now, step, sigma, rho)  # rems: (output tokens left, KV held) of each of ours
         shared = 0.0
-        rems: list[tuple[float, float]] = []  # (output tokens left, KV held) of each of ours
-        for j in m.inflight.values():
-            if j.first_byte_at:
-                decoded = (now - j.first_byte_at) / step
-            elif j.stream:
-                queued += j.uncached
-                decoded = 0.0
-            else:  # a non-streamed response shows no first byte: assume its prefill took the estimate
-                t = now - j.dispatched_at - rho * sigma * j.prefill_ahead
-                if t < 0:
-                    queued += j.uncached
-                decoded = t / step if t > 0 else 0.0
-            rem = j.out_tokens - decoded
-            if rem < 1.0:
-                rem = 1.0
+        for rem, _ in rems:
             shared += rem if rem < d else d
-            rems.append((rem, j.kv_tokens))
         sizes = self._sizes(req.model)
-        ext_rem = 0.0
         # Others' sequences on b: the other gateway replicas' (the load exchange, 50 ms old at most)
-        # and what its /metrics shows beyond every replica's.
+        # and what its /metrics shows beyond every replica's. The replicas say what their requests
+        # have left to decode and to prefill; the rest count at half the mean output, 10% of them in prefill.
         ext = m.ext + b.remote_in_flight
+        others_seq: list[tuple[float, float]] = []  # (output tokens left, KV held) of each of the others
         if ext:
-            ext_rem = min(sizes.out_avg / 2, d)
-            shared += ext * ext_rem
-            queued += ext * sizes.prompt(req) * 0.1  # some of the others are in prefill; a rough share
+            ext_rem = sizes.out_avg / 2
+            told = b.remote_in_flight if b.remote_kv > 0 else 0
+            if told:
+                each = b.remote_decode / told
+                shared += told * (each if each < d else d)
+                queued += b.remote_prefill
+                others_seq = [(each, b.remote_kv / told)] * told
+            rest = ext - told
+            if rest:
+                shared += rest * (ext_rem if ext_rem < d else d)
+                queued += rest * sizes.prompt(req) * 0.1  # some of the others are in prefill; a rough share
+                others_seq += [(ext_rem, 0.0)] * int(rest)
         prompt = sizes.prompt(req)
         uncached = max(0.0, prompt - key_tokens(depth))
         prefill = rho * sigma * (queued + uncached)
         lat = prefill + sigma * (1.0 + g) * d + sigma * g * shared
-        wait = self._wait_steps(m, rems, prompt + d, int(ext), sizes.out_avg / 2, b.remote_in_flight if b.remote_kv > 0 else 0, b.remote_kv)
+        wait = self._wait_steps(m, rems, prompt + d, others_seq, b.remote_kv)
         wait_s = wait * step
         lat += wait_s
         others = self.config.others_weight
@@ -336,22 +327,48 @@ class ExpectedLatencyBalancer(Balancer):
                 return False
         return True
 
+    def _progress(self, m: BackendModel, now: float, step: float, sigma: float, rho: float) -> tuple[float, list[tuple[float, float]]]:
+        """(uncached prompt tokens of b's requests still in prefill, (output tokens left, KV held) of each of ours)."""
+        queued = 0.0
+        rems: list[tuple[float, float]] = []
+        for j in m.inflight.values():
+            if j.first_byte_at:
+                decoded = (now - j.first_byte_at) / step
+            elif j.stream:
+                queued += j.uncached
+                decoded = 0.0
+            else:  # a non-streamed response shows no first byte: assume its prefill took the estimate
+                t = now - j.dispatched_at - rho * sigma * j.prefill_ahead
+                if t < 0:
+                    queued += j.uncached
+                decoded = t / step if t > 0 else 0.0
+            rem = j.out_tokens - decoded
+            rems.append((rem if rem > 1.0 else 1.0, j.kv_tokens))
+        return queued, rems
+
+    def shared_load(self, backend: Backend) -> tuple[float, float, float]:
+        m = self.models.get(backend)
+        if m is None or not m.inflight:
+            return 0.0, 0.0, 0.0
+        sigma = self.sigma(backend, self._fleet)
+        queued, rems = self._progress(m, self.clock(), sigma * (1.0 + self.gamma * m.batch()), sigma, self.rho)
+        return m.kv, sum(r for r, _ in rems), queued
+
     @staticmethod
-    def _wait_steps(m: BackendModel, rems: list[tuple[float, float]], kv_new: float, ext: int = 0, ext_rem: float = 0.0,
-                    remote: int = 0, remote_kv: float = 0.0) -> float:
+    def _wait_steps(m: BackendModel, rems: list[tuple[float, float]], kv_new: float, others: Sequence[tuple[float, float]] = (),
+                    others_kv: float = 0.0) -> float:
         """Decode steps until r is admitted: a batch slot and room for its KV must both free up.
-        Sequences of others (``ext``, from /metrics) take slots too; each has ``ext_rem`` tokens left.
-        ``remote`` of them are other replicas' requests that hold ``remote_kv`` KV tokens between them."""
+        ``others``: (output tokens left, KV held) of each sequence on b that is not ours (they take slots
+        too); ``others_kv``: the KV they hold between them, where known (the other replicas')."""
         wait = 0.0
-        if m.slots is not None and len(rems) + ext + 1 > m.slots:
-            ahead = rems + [(ext_rem, 0.0)] * ext if ext else rems
+        if m.slots is not None and len(rems) + len(others) + 1 > m.slots:
+            ahead = rems + list(others) if others else rems
             wait = heapq.nsmallest(len(ahead) + 1 - m.slots, ahead)[-1][0]
-        if m.kv_capacity is not None and (rems or remote):
-            need = m.kv + remote_kv + kv_new - m.kv_capacity
+        if m.kv_capacity is not None and (rems or others_kv):
+            need = m.kv + others_kv + kv_new - m.kv_capacity
             if need > 0:
                 freed = 0.0
-                held = rems + [(ext_rem, remote_kv / remote)] * remote if remote else rems
-                for rem, kv in sorted(held):  # the first to finish free their KV first
+                for rem, kv in sorted(rems + list(others) if others_kv else rems):  # the first to finish free their KV first
                     freed += kv
                     if freed >= need:
                         break
