@@ -918,3 +918,26 @@ def test_the_others_work_told_by_their_replicas_weighs_as_much_as_our_own():
     assert lat["a"][0] == pytest.approx(lat["b"][0], rel=1e-6)
     b.remote_kv = 0  # a replica that does not tell: the rough guess, which differs
     assert one.explain([a, b], r)["b"][0] != pytest.approx(lat["a"][0], rel=1e-3)
+
+
+def test_the_other_replicas_requests_count_in_the_batch_and_not_again_from_the_gauges():
+    clock = Clock()
+    bal = mel(clock)
+    (a,) = backends("a")
+    load(bal, a, 2)
+    a.remote_in_flight = 6  # the load exchange: six through the other replicas
+    m = bal._model(a)
+    assert m.batch() == 8  # the step time and the ∫batch dt that σ is learnt from see all eight
+    # The gauges (up to 10 s old) show the eight and one direct client: only that one is external.
+    bal.observe_signals(a, Signals(running=9, waiting=0, scraped_at=clock.t), changed=True)
+    assert m.ext == 1
+    # The others' requests finished: the exchange says so at once, and the old gauge does not hold
+    # them on the backend until it changes.
+    a.remote_in_flight = 0
+    assert bal._model(a).batch() == 3
+    bal.observe_signals(a, Signals(running=9, waiting=0, scraped_at=clock.t), changed=False)
+    assert m.batch() == 3
+    clock.t += 1.0
+    before = m.area
+    m.advance(clock.t)
+    assert m.area - before == pytest.approx(3.0)
