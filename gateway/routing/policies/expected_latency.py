@@ -85,9 +85,13 @@ class ExpectedLatencyBalancer(Balancer):
       on the heterogeneous fleet in the replay).
     - rem_j: j's expected output (max_tokens × the observed fill ratio, or the running mean) less
       what it decoded since its first byte. Work is counted in tokens, not requests.
-    - j runs over this gateway's requests on b plus ext_b others': ext_b = running + waiting from
-      b's /metrics less the most we had on b between two polls (never negative). The gauges
-      refresh every 10 s; until they change, our own reservations are what counts.
+    - j runs over this gateway's requests on b, the other gateway replicas' (their count and what
+      they hold: KV, output left, prompt to prefill, from the load exchange every 50 ms; with them
+      each replica's model of b is the whole backend's, bench/routing/README.md "Replicas scenario"),
+      and ext_b more: running + waiting from b's /metrics less the most that we and the other
+      replicas had on b between two polls (never negative). The gauges refresh every 10 s; until
+      they change, the reservations are what counts. Others that nobody describes count at half the
+      mean output each, a tenth of them in prefill.
     - W_b: decode steps until r is admitted: the (n+1-slots)-th smallest rem_j when the batch is
       full, or until enough j finish to free KV for r (prompt + output of all ours + r's over the
       KV capacity). slots_b and the KV capacity are learnt from /metrics; unknown means no limit.
