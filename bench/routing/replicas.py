@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -39,7 +40,7 @@ POLICY = "min_expected_latency:slots=32"
 
 
 def run_replicas(workdir: Path, name: str, spec: str, n: int, sims: list[SimProc], trace, warmup: float, balancer: dict,
-                 state: dict | None) -> dict:
+                 state: dict | None, learnt: bool = False) -> dict:
     _wait_idle(sims)
     for s in sims:
         s.control(clear_cache=True)
@@ -54,6 +55,15 @@ def run_replicas(workdir: Path, name: str, spec: str, n: int, sims: list[SimProc
     finally:
         for g in gateways:
             g.stop()
+    if learnt:
+        for i, g in enumerate(gateways):
+            try:
+                st = json.loads(g.state_path.read_text())
+            except (OSError, ValueError):
+                continue
+            print(f"  {name} #{i}: picks {st.get('picks')} affinity {st.get('affinity_picks')} gamma {st.get('gamma', 0):.4f} rho {st.get('rho', 0):.4f}"
+                  f"  sigma {' '.join(f'{v:.4f}' for v in st.get('sigma', {}).values())}"
+                  f"  kv capacity {' '.join(f'{v:.0f}' if v else '-' for v in st.get('kv_capacity', {}).values())}", flush=True)
     return fleet_row(sims, before, results, wall, warmup, name)
 
 
@@ -81,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=float, default=0.1, help="share of the first requests left out of the figures")
     p.add_argument("--load-interval", type=float, default=None, help="state.load_interval of the replicas (default: the gateway's, 0.05 s)")
     p.add_argument("--no-single-redis", action="store_true", help="leave out the one-replica-with-Redis row")
+    p.add_argument("--learnt", action="store_true", help="print what each gateway learnt (picks, σ, γ, ρ, KV capacity per backend)")
     args = p.parse_args(argv)
     if not 1 <= args.replicas <= 16:
         p.error("--replicas must be 1-16")
@@ -109,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                 state = {"redis_url": redis.url, "prefix": f"bench{i}"} if prefix else None
                 if state and args.load_interval is not None:
                     state["load_interval"] = args.load_interval
-                rows.append(run_replicas(workdir, name, args.policy, n, sims, trace, args.warmup, balancer, state))
+                rows.append(run_replicas(workdir, name, args.policy, n, sims, trace, args.warmup, balancer, state, args.learnt))
             print_rows(f"heterogeneous fleet (speeds {'/'.join(f'{s:g}' for s in speeds)}), {args.load:.0%} load: {trace.rate:.1f} req/s, "
                        f"{len(trace.items)} requests, mean prompt {trace.mean_prompt:.0f} / output {trace.mean_output:.0f} tokens; seconds", rows)
         finally:
