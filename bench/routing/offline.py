@@ -2,6 +2,7 @@
 the simulator's engine model (``gateway/sim/engine.py``), with no sockets and no processes.
 
     python -m bench.routing.offline [--fleets ...] [--loads ...] [--duration 120]
+    python -m bench.routing.offline --replicas 4 ...   # N gateway replicas sharing the fleet (issue 12)
 
 It runs in seconds, so a change to the model can be tried on many seeds before the socket bench
 (``python -m bench.routing``) confirms it. What it leaves out: HTTP and SSE costs, timer slack,
