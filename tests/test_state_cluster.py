@@ -261,8 +261,12 @@ def test_followers_learn_launched_backends_with_their_role_and_slots(redis_serve
             launched, follower = BackendPool(cfg.health), BackendPool(cfg.health)
             launched.add(Backend(id="pd#0", url="http://127.0.0.1:1001", models=frozenset({"pd"}), origin="launched", role="prefill", slots=8))
             launched.add(Backend(id="m#0", url="http://127.0.0.1:1002", models=frozenset({"m"}), origin="launched"))
-            await Cluster(s0, launched, Backend, publish_backends=True, follow_backends=False)._publish_directory()
+            c0 = Cluster(s0, launched, Backend, publish_backends=True, follow_backends=False)
+            await c0._publish_directory()
+            # An id nobody configured could have (Redis content is not trusted): not learnt.
+            await s0.r.hset(c0.directory, "\x00kv\x00m#0", b'{"url": "http://127.0.0.1:1003", "models": ["m"]}')
             await Cluster(s1, follower, Backend, publish_backends=False, follow_backends=True)._follow_directory()
+            assert sorted(b.id for b in follower) == ["m#0", "pd#0"]
             p, h = follower.get("pd#0"), follower.get("m#0")
             assert (p.role, p.slots, p.origin) == ("prefill", 8, "launched")
             assert (h.role, h.slots) == ("hybrid", None)

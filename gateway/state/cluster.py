@@ -257,8 +257,10 @@ class Cluster:
         raw = await self.store._call("directory", self.store.r.hgetall(self.directory))
         present: set[str] = set()
         for k, v in raw.items():
-            bid = k.decode() if isinstance(k, bytes) else k
             try:
+                bid = k.decode() if isinstance(k, bytes) else k
+                if not (bid.isprintable() and len(bid) <= 128):
+                    raise ValueError("id")  # as a configured name must be (the load exchange's own fields start with NUL)
                 entry = orjson.loads(v)
                 url, models = str(entry["url"]), frozenset(str(m) for m in entry["models"])
                 role, slots = _role(entry.get("role")), _slots(entry.get("slots"))
