@@ -10,9 +10,11 @@ One run, one seeded trace (the routing bench's workload, ``trace.py``), the hete
 - ``1 replica + redis``: the same with ``state: {redis_url: ...}`` (the cost of the store alone);
 - ``N replicas + redis``: N gateway processes with the same config and one Redis; request i goes
   to replica ``i % N`` (a round-robin load balancer in front of them). Each replica's balancer
-  sees its own requests in full and the others' as in-flight counts per backend, published
-  through Redis (``Backend.remote_in_flight``), and the prefixes they placed on each backend
-  (``gateway/state/cluster.py``); learnt speeds stay per replica.
+  sees its own requests in full and, for the others', their in-flight count per backend and what
+  those requests hold there (KV, output left, prefill), published through Redis
+  (``Backend.remote_in_flight``, ``remote_kv``...), and the prefixes they placed on each backend
+  with their prompts' sizes (``gateway/state/cluster.py``); learnt speeds stay per replica.
+  ``python -m bench.routing.offline --replicas N`` is the same scenario in virtual time.
 
 The bench starts its own redis-server on a free loopback port and stops it at the end.
 Figures: as in ``run.py`` (seconds; the first ``--warmup`` share of requests left out).
