@@ -902,3 +902,132 @@ def test_slow_start_is_relative_to_the_other_candidates():
     assert pa2.e2e == pytest.approx(pc.e2e)
     _, pb_plain = bal_plain.predict([c, Backend(id="d", url="http://d.invalid", models=frozenset({"m"}), healthy=True)], req(prompt=1, out=100))
     assert pb2.e2e == pytest.approx(pb_plain.e2e / 0.5)  # 0.2 over a's 0.4
+
+
+# -- several gateway replicas on one backend: the others' KV reservations ----------------------------------
+
+def _share(frm: ExpectedLatencyBalancer, b_from: Backend, b_to: Backend) -> None:
+    """What the load exchange carries from one replica to another (gateway/state/cluster.py)."""
+    from gateway.state.cluster import apply_load, load_entry
+
+    apply_load([b_to], load_entry([b_from], frm))
+
+
+@pytest.mark.parametrize(("each", "waiting"), [(2, 0), (3, 2)])
+def test_each_replica_learns_the_whole_kv_cache_from_the_gauge_with_the_others_reservations(each, waiting):
+    # Two replicas with `each` requests of 200 KV tokens on one engine of 1000; `waiting` of them are
+    # not admitted yet. Counting only its own, each replica learnt half the cache (N replicas: 1/N).
+    clock = Clock()
+    one, two = mel(clock), mel(clock, seed=1)
+    (a1,), (a2,) = backends("a"), backends("a")
+    load(one, a1, each, out=100, prompt=100)
+    load(two, a2, each, out=100, prompt=100)
+    assert one.shared_load(a1)[0] == pytest.approx(200 * each)
+    usage = 200 * (2 * each - waiting) / 1000
+    gauge = Signals(running=2 * each - waiting, waiting=waiting, kv_usage=usage, scraped_at=clock.t)
+    one.observe_signals(a1, gauge, changed=True)
+    assert one._model(a1).kv_capacity < 600  # alone: its half of the reservations
+    _share(two, a2, a1)
+    _share(one, a1, a2)
+    assert (a1.remote_in_flight, a1.remote_kv) == (each, 200 * each)
+    fresh_one = mel(clock)
+    load(fresh_one, a1, each, out=100, prompt=100)
+    fresh_one.observe_signals(a1, gauge, changed=True)
+    two.observe_signals(a2, gauge, changed=True)
+    assert fresh_one._model(a1).kv_capacity == pytest.approx(1000)
+    assert two._model(a2).kv_capacity == pytest.approx(1000)
+
+
+def test_the_prefix_memory_keeps_what_the_others_reservations_leave_room_for():
+    doc = prefix_keys("d" * MAX_PREFIX_CHARS)  # 11 keys, 2048 tokens
+    depths = {}
+    for remote_kv in (0, 8000):
+        clock = Clock()
+        bal = mel(clock)
+        (a,) = backends("a")
+        bal._model(a).kv_capacity = 10000.0
+        a.remote_in_flight, a.remote_kv = 2, remote_kv  # 0: a replica that does not send its KV (mean size then)
+        bal.dispatched(a, req(2100, 100, keys=doc))
+        depths[remote_kv] = bal._model(a).prefixes.depth(doc, clock.t)
+    # 10000 - 2200 (this one) - 2 x 512 (the mean request size) leave room for the whole document;
+    # the others' 8000 reserved tokens leave none: the engine evicts it as soon as it is cached.
+    assert depths == {0: len(doc), 8000: 0}
+
+
+def test_the_others_reserved_kv_delays_a_request_that_does_not_fit():
+    clock = Clock()
+    bal = mel(clock)
+    (a,) = backends("a")
+    set_sigma(bal, a, 0.02)
+    bal._model(a).kv_capacity = 1000.0
+    r = req(100, 100)
+    assert bal.starts_at_once(a, r) and bal.predict([a], r)[0].wait == 0
+    a.remote_in_flight, a.remote_kv, a.remote_decode = 1, 900, 80  # another replica's request holds 900 of the 1000, 80 tokens to go
+    assert not bal.starts_at_once(a, r)
+    assert bal.predict([a], r)[0].wait > 0
+
+
+def test_a_replica_reports_what_its_requests_in_flight_hold():
+    clock = Clock()
+    bal = mel(clock)
+    (a,) = backends("a")
+    set_sigma(bal, a, 0.01)
+    assert bal.shared_load(a) == (0, 0, 0)
+    rs = [req(50, 100, stream=True) for _ in range(3)]
+    for r in rs:
+        bal.dispatched(a, r)
+    kv, decode, prefill = bal.shared_load(a)
+    assert (kv, decode, prefill) == pytest.approx((450, 300, 150))  # nothing streamed yet: all to prefill and decode
+    bal.first_byte(a, rs[0], 0.1)
+    clock.t += 0.5  # rs[0] decodes at ~0.01 s a token
+    kv, decode, prefill = bal.shared_load(a)
+    assert kv == pytest.approx(450) and prefill == pytest.approx(100) and 200 < decode < 260
+    for r in rs:
+        bal.completed(a, r, Outcome(status=200, ok=True, prompt_tokens=50, completion_tokens=100))
+    assert bal.shared_load(a) == (0, 0, 0)
+    assert make_balancer("least_in_flight").shared_load(a) == (0, 0, 0)  # a policy without a model sends none
+
+
+def test_the_others_work_told_by_their_replicas_weighs_as_much_as_our_own():
+    # One backend with 4 of our requests, another with 4 of another replica's, the same in every way:
+    # the estimate must be the same (it was "half the mean output, 10% in prefill" for theirs).
+    clock = Clock()
+    one, two = mel(clock), mel(clock, seed=1)
+    a, b = backends("a", "b")
+    (b2,) = backends("b")
+    for x in (a, b):
+        set_sigma(one, x, 0.02)
+    for bal, x in ((one, a), (two, b2)):
+        for _ in range(4):
+            bal.dispatched(x, req(400, 300, stream=True))
+    _share(two, b2, b)
+    assert (b.remote_in_flight, b.remote_kv, b.remote_decode, b.remote_prefill) == (4, 2800, 1200, 1600)
+    r = req(100, 50)
+    one._prepare(r)
+    lat = one.explain([a, b], r)
+    assert lat["a"][0] == pytest.approx(lat["b"][0], rel=1e-6)
+    b.remote_kv = 0  # a replica that does not tell: the rough guess, which differs
+    assert one.explain([a, b], r)["b"][0] != pytest.approx(lat["a"][0], rel=1e-3)
+
+
+def test_the_other_replicas_requests_count_in_the_batch_and_not_again_from_the_gauges():
+    clock = Clock()
+    bal = mel(clock)
+    (a,) = backends("a")
+    load(bal, a, 2)
+    a.remote_in_flight = 6  # the load exchange: six through the other replicas
+    m = bal._model(a)
+    assert m.batch() == 8  # the step time and the ∫batch dt that σ is learnt from see all eight
+    # The gauges (up to 10 s old) show the eight and one direct client: only that one is external.
+    bal.observe_signals(a, Signals(running=9, waiting=0, scraped_at=clock.t), changed=True)
+    assert m.ext == 1
+    # The others' requests finished: the exchange says so at once, and the old gauge does not hold
+    # them on the backend until it changes.
+    a.remote_in_flight = 0
+    assert bal._model(a).batch() == 3
+    bal.observe_signals(a, Signals(running=9, waiting=0, scraped_at=clock.t), changed=False)
+    assert m.batch() == 3
+    clock.t += 1.0
+    before = m.area
+    m.advance(clock.t)
+    assert m.area - before == pytest.approx(3.0)

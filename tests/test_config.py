@@ -87,6 +87,14 @@ def test_no_backends_is_an_error():
     assert problems({"auth": GOOD["auth"]}) == ["backends: no backends: configure `backends` (URLs) or `launch` (instances to start)"]
 
 
+@pytest.mark.parametrize("name", ["\x00kv\x00sim-0", "a\nb", "x" * 129])
+def test_a_backend_name_is_printable_and_short(name):
+    # Names are backend ids, also on the load exchange, whose other fields start with NUL.
+    (msg,) = problems({"auth": GOOD["auth"], "backends": [{"url": "http://127.0.0.1:1", "name": name}]})
+    assert msg.startswith("backends[0].name: ") and "not a valid backend name" in msg
+    assert parse_config({"auth": GOOD["auth"], "backends": [{"url": "http://127.0.0.1:1", "name": "sim0-x2 (fast)"}]}, env={}).backends[0].name == "sim0-x2 (fast)"
+
+
 def test_keys_file_is_read_relative_to_the_config(tmp_path):
     (tmp_path / "keys.yaml").write_text(f'keys:\n  - {{name: k, hash: "{HASH}"}}\n')
     cfg_path = tmp_path / "gw.yaml"

@@ -66,6 +66,10 @@ def test_placements_group_by_backend_once_per_chain_and_stay_bounded():
     for i in range(5):
         log.record("x", (i,))
     assert log.drain() == {"x": [[2], [3], [4]]}  # the oldest dropped when nobody drains
+    log.record("x", k1, 500)
+    log.record("y", k2, 300)
+    log.record("x", k1, 520)  # placed again: once, with its latest size
+    assert log.drain_sized() == ({"x": [list(k1)], "y": [list(k2)]}, {"x": [520], "y": [300]})
 
 
 def _balancer(seed: int) -> ExpectedLatencyBalancer:
@@ -242,6 +246,45 @@ def _receiving_cluster() -> tuple[object, ExpectedLatencyBalancer, Backend]:
 
 
 CHAIN = list(prefix_keys("shared document " * 200))
+
+
+def test_learnt_prompts_with_their_size_evict_from_the_memory_as_the_engine_does():
+    # The KV cache has room for about 2500 tokens: another replica's document of 2048 tokens (in a
+    # 2500-token prompt) pushes an older one of the same size out. Without sizes (an older replica),
+    # only the keys' segments count and both seem cached.
+    old_doc, new_doc = prefix_keys("o" * MAX_PREFIX_CHARS), prefix_keys("n" * MAX_PREFIX_CHARS)
+    kept = {}
+    for sized in (True, False):
+        bal = _balancer(5)
+        (a,) = _fleet()[:1]
+        bal.models(a).kv_capacity = 2500.0
+        tokens = [2500] if sized else None
+        bal.learn_placements(a, [list(old_doc)], tokens)
+        bal.learn_placements(a, [list(new_doc)], tokens)
+        memory = bal.models(a).prefixes
+        kept[sized] = (memory.depth(old_doc, bal.clock()), memory.depth(new_doc, bal.clock()))
+    assert kept[True][1] == len(new_doc) and kept[True][0] < 3  # the newest whole, the oldest (almost) gone
+    assert kept[False] == (len(old_doc), len(new_doc))
+
+
+@pytest.mark.parametrize(("tokens", "sized"), [
+    ({"a": [2500]}, True),
+    ({"a": [2500, 10]}, False),  # not one count per chain
+    ({"a": ["2500"]}, False),  # not an integer
+    ({"a": [True]}, False),
+    ({"a": [-1]}, False),
+    ({"a": [10**8]}, False),  # larger than any prompt
+    ([2500], False),
+    (None, False),  # an older replica sends no sizes: the chains still count
+])
+def test_the_sizes_beside_the_chains_are_validated_and_a_bad_one_costs_only_the_size(tokens, sized):
+    cluster, bal, target = _receiving_cluster()
+    bal.models(target).kv_capacity = 500.0  # a room smaller than the chain (8 keys, 724 tokens)
+    message = {"from": "other", "p": {"a": [CHAIN]}} | ({"t": tokens} if tokens is not None else {})
+    cluster._on_placements(json.dumps(message).encode())
+    depth = bal.models(target).prefixes.depth(tuple(CHAIN), bal.clock())
+    assert depth > 0  # learnt either way
+    assert (depth < len(CHAIN)) is sized  # a sized prompt over the room is cut as the engine's LRU does
 
 
 @pytest.mark.parametrize(("message", "learnt"), [

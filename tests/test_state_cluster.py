@@ -57,9 +57,11 @@ def test_in_flight_per_backend_is_summed_over_replicas_and_a_dead_replicas_count
             backend_b = b.gateway.pool.get("sim-0")
             wait_until(lambda: backend_b.remote_in_flight == 1, 3, 0.02, "a's in-flight request counted by b")
             assert backend_b.in_flight == 0
+            assert backend_b.remote_kv >= 2  # and the KV it reserves (its prompt + max_tokens 2), as a's balancer counts it
             t.join(10)
             assert done.is_set()
             wait_until(lambda: backend_b.remote_in_flight == 0, 3, 0.02, "the finished request no longer counted")
+            assert backend_b.remote_kv == 0
             # A replica that dies mid-request: its count expires with its heartbeat key (lease_ttl 3 s).
             threading.Thread(target=lambda: _post(a, keys.alice), daemon=True).start()
             wait_until(lambda: backend_b.remote_in_flight == 1, 3, 0.02, "counted again")
@@ -112,6 +114,75 @@ def test_load_exchange_sums_the_other_replicas_counts_and_a_closing_replica_stop
             await b.r.aclose()
 
     asyncio.run(run())
+
+
+def test_what_a_replicas_requests_hold_reaches_the_other_and_a_bad_entry_is_skipped_field_by_field(redis_server):
+    """Through a real Redis: what one replica's requests hold on a backend (KV, output left, prefill) lands
+    in the other's ``Backend.remote_kv``/``remote_decode``/``remote_prefill``;
+    a load entry written by anyone else (Redis content is not trusted) neither breaks the exchange nor
+    counts beyond its valid fields, and an entry with too many fields counts not at all."""
+    import asyncio
+
+    from gateway.config import parse_config
+    from gateway.routing.policies import Outcome, RequestInfo, make_balancer
+    from gateway.routing.pool import Backend
+    from gateway.state.cluster import KV_FIELD, apply_load, load_entry
+    from gateway.state.redis import MAX_LOAD_FIELDS, RedisStore
+
+    prefix = "t" + secrets.token_hex(4)
+    cfg = parse_config({"auth": {"disabled": True}, "backends": [{"url": "http://127.0.0.1:9"}],
+                        "state": {"redis_url": redis_server.url, "prefix": prefix, "load_interval": 0.05}})
+    bal = make_balancer("min_expected_latency")
+    mine = [Backend(id=f"sim-{i}", url="", models=frozenset({"m"})) for i in range(2)]
+    theirs = [Backend(id=f"sim-{i}", url="", models=frozenset({"m"})) for i in range(2)]
+    for _ in range(2):
+        r = RequestInfo(model="m", prompt_tokens=300, max_tokens=100, stream=True)
+        bal.dispatched(mine[0], r)
+
+    async def run() -> None:
+        a, b = RedisStore(cfg), RedisStore(cfg)
+        try:
+            for s in (a, b):
+                await s._heartbeat_once()
+            # A third "replica" registered by someone with write access, its entry full of junk.
+            await b.r.zadd(f"{prefix}:replicas", {"intruder": time.time() + 60})
+            await b.r.hset(f"{prefix}:load:intruder", mapping={
+                "sim-1": "7", "sim-0": "-5", KV_FIELD + "sim-0": "9" * 14, KV_FIELD + "sim-1": "abc", "x" * 2000: "1"})
+            await b.r.zadd(f"{prefix}:replicas", {"flood": time.time() + 60})
+            await b.r.hset(f"{prefix}:load:flood", mapping={f"f{i}": 1 for i in range(MAX_LOAD_FIELDS + 1)} | {"sim-0": 50})
+            a.local_load = lambda: load_entry(mine, bal)
+            b.local_load = lambda: load_entry(theirs, None)
+            b.on_load = lambda totals: apply_load(theirs, totals)
+            await a.exchange_load()
+            await b.exchange_load()
+            # 2 x (300 + 100) KV, 2 x 100 to decode, 2 x 300 to prefill (no first byte yet)
+            assert (theirs[0].remote_in_flight, theirs[0].remote_kv, theirs[0].remote_decode, theirs[0].remote_prefill) == (2, 800, 200, 600)
+            assert (theirs[1].remote_in_flight, theirs[1].remote_kv) == (7, 0)  # the intruder's one valid field
+            for r in list(bal.models(mine[0]).inflight.values()):
+                bal.completed(mine[0], r, Outcome(status=200, ok=False))
+            await a.exchange_load()
+            await b.exchange_load()
+            assert (theirs[0].remote_in_flight, theirs[0].remote_kv, theirs[0].remote_decode) == (0, 0, 0)  # done: none counted
+        finally:
+            await a.r.aclose()
+            await b.r.aclose()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize(("entries", "summed"), [
+    ([{b"sim-0": b"2", b"\x00kv\x00sim-0": b"800"}, {b"sim-0": b"1"}], {"sim-0": 3, "\x00kv\x00sim-0": 800}),
+    ([{b"sim-0": b"-1"}], {}),  # negative
+    ([{b"sim-0": b"1" * 14}], {}),  # longer than any real count: not parsed
+    ([{b"sim-0": b"1e3"}, {b"sim-0": b"nan"}], {}),  # not integers
+    ([{b"\xff": b"1", b"sim-0": b"4"}], {"sim-0": 4}),  # a field that is not UTF-8 alone is skipped
+    ([{b"sim-0": b""}], {}),
+    (["not a mapping", {b"sim-0": b"3"}], {"sim-0": 3}),
+])
+def test_load_entries_from_redis_are_summed_only_where_valid(entries, summed):
+    from gateway.state.redis import _sum_loads
+
+    assert _sum_loads(entries) == summed
 
 
 def test_load_interval_is_bounded():
@@ -190,8 +261,12 @@ def test_followers_learn_launched_backends_with_their_role_and_slots(redis_serve
             launched, follower = BackendPool(cfg.health), BackendPool(cfg.health)
             launched.add(Backend(id="pd#0", url="http://127.0.0.1:1001", models=frozenset({"pd"}), origin="launched", role="prefill", slots=8))
             launched.add(Backend(id="m#0", url="http://127.0.0.1:1002", models=frozenset({"m"}), origin="launched"))
-            await Cluster(s0, launched, Backend, publish_backends=True, follow_backends=False)._publish_directory()
+            c0 = Cluster(s0, launched, Backend, publish_backends=True, follow_backends=False)
+            await c0._publish_directory()
+            # An id nobody configured could have (Redis content is not trusted): not learnt.
+            await s0.r.hset(c0.directory, "\x00kv\x00m#0", b'{"url": "http://127.0.0.1:1003", "models": ["m"]}')
             await Cluster(s1, follower, Backend, publish_backends=False, follow_backends=True)._follow_directory()
+            assert sorted(b.id for b in follower) == ["m#0", "pd#0"]
             p, h = follower.get("pd#0"), follower.get("m#0")
             assert (p.role, p.slots, p.origin) == ("prefill", 8, "launched")
             assert (h.role, h.slots) == ("hybrid", None)

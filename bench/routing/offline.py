@@ -2,6 +2,7 @@
 the simulator's engine model (``gateway/sim/engine.py``), with no sockets and no processes.
 
     python -m bench.routing.offline [--fleets ...] [--loads ...] [--duration 120]
+    python -m bench.routing.offline --replicas 4 ...   # N gateway replicas sharing the fleet (issue 12)
 
 It runs in seconds, so a change to the model can be tried on many seeds before the socket bench
 (``python -m bench.routing``) confirms it. What it leaves out: HTTP and SSE costs, timer slack,
@@ -33,6 +34,7 @@ from gateway.routing.pool import Backend  # noqa: E402
 from gateway.routing.queue import Admission, Waiter  # noqa: E402
 from gateway.routing.signals import Signals, update_signals  # noqa: E402
 from gateway.sim.prefix_cache import PrefixCache  # noqa: E402
+from gateway.state.cluster import apply_load, learn_placements, load_entry, placements_message  # noqa: E402
 from gateway.sim.tokens import render_chat, text_prompt  # noqa: E402
 
 from .run import FLEETS, POLICIES  # noqa: E402
@@ -205,102 +207,181 @@ def policy_spec(spec: str, cfg: BalancerConfig) -> tuple[str, BalancerConfig]:
     return name, dataclasses.replace(cfg, **changes)
 
 
-def replay(policy: str, speeds: list[float], trace, params: SimParams, cfg: BalancerConfig, seed: int = 0, warmup: float = 0.1) -> dict:
+def replay(policy: str, speeds: list[float], trace, params: SimParams, cfg: BalancerConfig, seed: int = 0, warmup: float = 0.1,
+           replicas: int = 1, interval: float = 0.05, push_gap: float = 0.0) -> dict:
+    """``replicas`` > 1: that many gateways (a policy, its own Backend objects, queue and scrapes each)
+    share the engines; request i goes to replica ``i % replicas``. Each sees the others only as the
+    load exchange (``gateway/state/cluster.py``) shows them: every ``interval`` a replica publishes
+    its in-flight counts (and what else ``shared_load`` gives) and reads the others' last published
+    ones (phases staggered, so up to ``interval`` stale); its prefix placements reach the others then."""
     loop = Loop()
     spec = policy
     policy, cfg = (spec, cfg) if spec == "smg:cache_aware" else policy_spec(spec, cfg)
-    if policy == "smg:cache_aware":
-        bal = CacheAwareCopy(cfg, clock=lambda: loop.now, rng=random.Random(seed))
-    else:
-        bal = make_balancer(policy, cfg, clock=lambda: loop.now, rng=random.Random(seed))
-    backends = [Backend(id=f"b{i}", url="", models=frozenset({"m"}), healthy=True, returned_at=0.0) for i in range(len(speeds))]
+    n = replicas
+
+    def new_balancer(r: int) -> Balancer:
+        rng = random.Random(seed * 1000 + r)
+        if policy == "smg:cache_aware":
+            return CacheAwareCopy(cfg, clock=lambda: loop.now, rng=rng)
+        return make_balancer(policy, cfg, clock=lambda: loop.now, rng=rng)
+
+    bals = [new_balancer(r) for r in range(n)]
+    fleets = [[Backend(id=f"b{i}", url="", models=frozenset({"m"}), healthy=True, returned_at=0.0) for i in range(len(speeds))]
+              for _ in range(n)]
     results: dict[int, tuple[float, float]] = {}
     refused: dict[int, tuple[float, int]] = {}  # index: (seconds to the refusal, status)
     arrived: dict[int, float] = {}
-    adm = Admission(cfg.queue, bal, lambda model: backends, lambda: loop.now) if cfg.queue.enabled and bal.predicts else None
+    owner: dict[int, int] = {}  # request index: its replica
+    adms = [Admission(cfg.queue, bals[r], (lambda model, r=r: fleets[r]), lambda: loop.now) if cfg.queue.enabled and bals[r].predicts else None
+            for r in range(n)]
 
     def on_token(engine, s: Seq) -> None:
-        bal.first_byte(by_engine[engine], s.req, loop.now - s.sent)
+        r = owner[s.index]
+        bals[r].first_byte(fleets[r][engines.index(engine)], s.req, loop.now - s.sent)
 
     def on_done(engine, s: Seq) -> None:
-        b = by_engine[engine]
-        bal.completed(b, s.req, Outcome(status=200, ok=True, ttft=s.first - s.sent,
-                                        prompt_tokens=s.tokens, completion_tokens=s.out, cached_tokens=s.cached))
+        r = owner.pop(s.index)
+        b = fleets[r][engines.index(engine)]
+        bals[r].completed(b, s.req, Outcome(status=200, ok=True, ttft=s.first - s.sent,
+                                            prompt_tokens=s.tokens, completion_tokens=s.out, cached_tokens=s.cached))
         t0 = arrived.pop(s.index)
         results[s.index] = (loop.now - t0, s.first - t0)
-        if adm is not None:
-            adm.completed("m")
-            drain()
+        changed(r)
+        if adms[r] is not None:
+            adms[r].completed("m")
+            drain(r)
 
     engines = [Engine(loop, params, sp, on_token, on_done) for sp in speeds]
-    by_engine = dict(zip(engines, backends))
-    signals = [Signals(max_age=30.0) for _ in backends]
+    signals = [[Signals(max_age=30.0) for _ in speeds] for _ in range(n)]
 
-    def submit(b: Backend, i: int, item, req) -> None:
-        e = engines[backends.index(b)]
+    def submit(r: int, b: Backend, i: int, item, req) -> None:
+        changed(r)
+        e = engines[fleets[r].index(b)]
         prompt = text_prompt(render_chat(item.body), params.block_tokens)
         e.submit(Seq(i, prompt.tokens, prompt.blocks, item.output_tokens, req, loop.now))
 
     waiting: dict[int, tuple] = {}  # id(waiter): (waiter, index, item)
 
-    def drain() -> None:
-        for w in adm.drain("m"):
+    def drain(r: int) -> None:
+        for w in adms[r].drain("m"):
             _, i, item = waiting.pop(id(w))
-            submit(w.backend, i, item, w.req)
+            submit(r, w.backend, i, item, w.req)
 
-    def expire(w) -> None:
-        if adm.expire(w):
+    def expire(w, r: int) -> None:
+        if adms[r].expire(w):
             _, i, _ = waiting.pop(id(w))
+            owner.pop(i)
             refused[i] = (loop.now - arrived.pop(i), w.refusal.status)
 
     def arrive(i: int, item) -> None:
+        r = i % n
+        bal, adm, backends = bals[r], adms[r], fleets[r]
         req = request_info("m", item.body)
         req.stream = True
         arrived[i] = loop.now
+        owner[i] = r
         if isinstance(bal, CacheAwareCopy):
             bal.text_of[id(req)] = render_chat(item.body)
         if adm is None:
             b = bal.pick(backends, req)
             bal.dispatched(b, req)
-            submit(b, i, item, req)
+            submit(r, b, i, item, req)
             return
         got = adm.admit(req, item.key, PRIORITIES.get(item.key, DEFAULT_PRIORITY))
         for v in adm.displaced:
             _, j, _ = waiting.pop(id(v))
+            owner.pop(j)
             refused[j] = (loop.now - arrived.pop(j), v.refusal.status)
         adm.displaced.clear()
         if isinstance(got, Backend):
-            submit(got, i, item, req)
+            submit(r, got, i, item, req)
         elif isinstance(got, Waiter):
             waiting[id(got)] = (got, i, item)
-            loop.at(got.deadline, expire, got)
+            loop.at(got.deadline, expire, got, r)
         else:
             refused[i] = (0.0, got.status)
             arrived.pop(i)
+            owner.pop(i)
+
+    def pending() -> bool:
+        return len(results) + len(refused) < len(trace.items)
 
     def refresh() -> None:
         for e in engines:
             e.refresh()
-        if len(results) + len(refused) < len(trace.items):
+        if pending():
             loop.at(loop.now + params.metrics_interval, refresh)
 
-    def scrape() -> None:
-        for b, e, sig in zip(backends, engines, signals):
-            r, w, kv = e.gauges
+    def scrape(r: int) -> None:
+        for b, e, sig in zip(fleets[r], engines, signals[r]):
+            run, w, kv = e.gauges
             tokens = e.prompt_tokens + e.generated  # counters are live, like the sim's
-            changed = update_signals(sig, {"lmdeploy:num_requests_running": r, "lmdeploy:num_requests_waiting": w,
+            changed = update_signals(sig, {"lmdeploy:num_requests_running": run, "lmdeploy:num_requests_waiting": w,
                                            "lmdeploy:gpu_cache_usage_perc": kv, "lmdeploy:generation_tokens_total": tokens}, loop.now)
-            bal.observe_signals(b, sig, changed)
-        if adm is not None:
-            drain()
-        if len(results) + len(refused) < len(trace.items):
-            loop.at(loop.now + cfg.scrape_interval, scrape)
+            bals[r].observe_signals(b, sig, changed)
+        if adms[r] is not None:
+            drain(r)
+        if pending():
+            loop.at(loop.now + cfg.scrape_interval, scrape, r)
+
+    published: list[dict[str, int]] = [{} for _ in range(n)]  # each replica's last load entry
+
+    pushing = [False] * n
+    last_push = [-1.0] * n
+
+    def changed(r: int) -> None:
+        # push_gap > 0: a replica publishes its entry soon after its load changes (at most every
+        # push_gap s), and the others apply it on arrival (pub/sub, 1 ms), between the regular exchanges.
+        if n > 1 and push_gap > 0 and not pushing[r]:
+            pushing[r] = True
+            loop.at(max(loop.now, last_push[r] + push_gap), push, r)
+
+    def push(r: int) -> None:
+        pushing[r] = False
+        last_push[r] = loop.now
+        published[r] = load_entry(fleets[r], bals[r])
+        for o in range(n):
+            if o != r:
+                loop.at(loop.now + 0.001, read, o)
+
+    def read(r: int) -> None:
+        totals: dict[str, int] = {}
+        for o in range(n):
+            if o != r:
+                for k, v in published[o].items():
+                    totals[k] = totals.get(k, 0) + v
+        if apply_load(fleets[r], totals) and adms[r] is not None:
+            drain(r)
+
+    def exchange(r: int) -> None:
+        # What Cluster does every state.load_interval: publish ours (and our placements), read the others'.
+        published[r] = load_entry(fleets[r], bals[r])
+        bal = bals[r]
+        if bal.placements is not None and len(bal.placements):
+            msg = placements_message(f"r{r}", bal.placements)  # as Cluster sends it, and reads it below
+            for r2 in range(n):
+                if r2 != r:
+                    learn_placements(msg, f"r{r2}", lambda bid, r2=r2: fleets[r2][int(bid[1:])], bals[r2])
+        totals: dict[str, int] = {}
+        for o in range(n):
+            if o != r:
+                for k, v in published[o].items():
+                    totals[k] = totals.get(k, 0) + v
+        if apply_load(fleets[r], totals) and adms[r] is not None:
+            drain(r)
+        if pending():
+            loop.at(loop.now + interval, exchange, r)
 
     for i, item in enumerate(trace.items):
         loop.at(item.at, arrive, i, item)
     loop.at(0.0, refresh)
-    if cfg.scrape_interval > 0:
-        loop.at(0.05, scrape)
+    for r in range(n):
+        if cfg.scrape_interval > 0:
+            loop.at(0.05 + r * cfg.scrape_interval / n, scrape, r)
+        if n > 1:
+            if bals[r].shares_prefixes:
+                bals[r].share_placements()
+            loop.at(r * interval / n, exchange, r)
     loop.run()
     skip = int(len(trace.items) * warmup)
     lat = sorted(results[i][0] for i in range(skip, len(trace.items)) if i in results)
@@ -344,6 +425,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", default="7")
     ap.add_argument("--shared", type=float, default=0.5)
     ap.add_argument("--mean", action="store_true", help="per fleet and load, also print each policy's figures averaged over --seeds")
+    ap.add_argument("--replicas", type=int, default=1, help="gateways sharing the fleet, requests alternated (the replicas scenario)")
+    ap.add_argument("--load-interval", type=float, default=0.05, help="with --replicas: seconds between load exchanges")
+    ap.add_argument("--push-gap", type=float, default=0.0, help="with --replicas: also publish a replica's load this soon after it changes")
     ap.add_argument("--mixed", action="store_true", help="interactive short requests (key ui) at --loads, alone and with a batch flood (key bulk) at 100%%")
     args = ap.parse_args(argv)
     params = SimParams()
@@ -373,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"\n{fleet} {load:.0%} seed {seed}: {len(trace.items)} requests")
                 base = None
                 for policy in args.policies.split(","):
-                    r = replay(policy, speeds, trace, params, cfg, seed)
+                    r = replay(policy, speeds, trace, params, cfg, seed, replicas=args.replicas, interval=args.load_interval, push_gap=args.push_gap)
                     runs.setdefault(policy, []).append(r)
                     base = base or r
                     print(f"  {policy:<36} lat mean {r['lat_mean']:6.2f} p50 {r['lat_p50']:6.2f} p99 {r['lat_p99']:6.2f} "

@@ -10,9 +10,11 @@ One run, one seeded trace (the routing bench's workload, ``trace.py``), the hete
 - ``1 replica + redis``: the same with ``state: {redis_url: ...}`` (the cost of the store alone);
 - ``N replicas + redis``: N gateway processes with the same config and one Redis; request i goes
   to replica ``i % N`` (a round-robin load balancer in front of them). Each replica's balancer
-  sees its own requests in full and the others' as in-flight counts per backend, published
-  through Redis (``Backend.remote_in_flight``), and the prefixes they placed on each backend
-  (``gateway/state/cluster.py``); learnt speeds stay per replica.
+  sees its own requests in full and, for the others', their in-flight count per backend and what
+  those requests hold there (KV, output left, prefill), published through Redis
+  (``Backend.remote_in_flight``, ``remote_kv``...), and the prefixes they placed on each backend
+  with their prompts' sizes (``gateway/state/cluster.py``); learnt speeds stay per replica.
+  ``python -m bench.routing.offline --replicas N`` is the same scenario in virtual time.
 
 The bench starts its own redis-server on a free loopback port and stops it at the end.
 Figures: as in ``run.py`` (seconds; the first ``--warmup`` share of requests left out).
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -39,7 +42,7 @@ POLICY = "min_expected_latency:slots=32"
 
 
 def run_replicas(workdir: Path, name: str, spec: str, n: int, sims: list[SimProc], trace, warmup: float, balancer: dict,
-                 state: dict | None) -> dict:
+                 state: dict | None, learnt: bool = False) -> dict:
     _wait_idle(sims)
     for s in sims:
         s.control(clear_cache=True)
@@ -54,6 +57,15 @@ def run_replicas(workdir: Path, name: str, spec: str, n: int, sims: list[SimProc
     finally:
         for g in gateways:
             g.stop()
+    if learnt:
+        for i, g in enumerate(gateways):
+            try:
+                st = json.loads(g.state_path.read_text())
+            except (OSError, ValueError):
+                continue
+            print(f"  {name} #{i}: picks {st.get('picks')} affinity {st.get('affinity_picks')} gamma {st.get('gamma', 0):.4f} rho {st.get('rho', 0):.4f}"
+                  f"  sigma {' '.join(f'{v:.4f}' for v in st.get('sigma', {}).values())}"
+                  f"  kv capacity {' '.join(f'{v:.0f}' if v else '-' for v in st.get('kv_capacity', {}).values())}", flush=True)
     return fleet_row(sims, before, results, wall, warmup, name)
 
 
@@ -81,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=float, default=0.1, help="share of the first requests left out of the figures")
     p.add_argument("--load-interval", type=float, default=None, help="state.load_interval of the replicas (default: the gateway's, 0.05 s)")
     p.add_argument("--no-single-redis", action="store_true", help="leave out the one-replica-with-Redis row")
+    p.add_argument("--learnt", action="store_true", help="print what each gateway learnt (picks, σ, γ, ρ, KV capacity per backend)")
     args = p.parse_args(argv)
     if not 1 <= args.replicas <= 16:
         p.error("--replicas must be 1-16")
@@ -109,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                 state = {"redis_url": redis.url, "prefix": f"bench{i}"} if prefix else None
                 if state and args.load_interval is not None:
                     state["load_interval"] = args.load_interval
-                rows.append(run_replicas(workdir, name, args.policy, n, sims, trace, args.warmup, balancer, state))
+                rows.append(run_replicas(workdir, name, args.policy, n, sims, trace, args.warmup, balancer, state, args.learnt))
             print_rows(f"heterogeneous fleet (speeds {'/'.join(f'{s:g}' for s in speeds)}), {args.load:.0%} load: {trace.rate:.1f} req/s, "
                        f"{len(trace.items)} requests, mean prompt {trace.mean_prompt:.0f} / output {trace.mean_output:.0f} tokens; seconds", rows)
         finally:

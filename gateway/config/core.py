@@ -322,6 +322,10 @@ def read_backends(root: Section) -> tuple[BackendConfig, ...]:
         api_key = sub.str("api_key", None)
         models = sub.str_list("models", None)
         name = sub.str("name", None)
+        if name is not None and not (name.isprintable() and len(name) <= 128):
+            # Names are backend ids in logs, metrics and the load exchange (whose extra fields start with NUL).
+            sub.error("name", f"{name[:40]!r} is not a valid backend name; use up to 128 printable characters")
+            name = None
         role = sub.enum("role", ("hybrid", "prefill", "decode"), "hybrid")
         sub.finish()
         if url is None:

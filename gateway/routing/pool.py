@@ -82,6 +82,10 @@ class Backend:
     check_interval: float | None = None  # its own /health interval (a launch group's); None: health.interval
     next_check: float = 0.0
     remote_in_flight: int = 0  # in flight through the other gateway replicas (the shared state store sums them)
+    # What those requests hold, as their replicas' balancers count it (0 with remote_kv 0: not told):
+    remote_kv: int = 0  # KV tokens (prompt + output) they reserve
+    remote_decode: int = 0  # output tokens they have left
+    remote_prefill: int = 0  # prompt tokens still to prefill
     slots: int | None = None  # its engine's batch slots when the gateway launched it (--max-batch-size); None: unknown
 
     def auth_headers(self) -> list[tuple[bytes, bytes]]:

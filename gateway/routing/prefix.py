@@ -178,30 +178,38 @@ class Placements:
     ``record`` is on the request path: one append to a bounded deque (the oldest placements drop
     when nobody drains it, e.g. while Redis is down). ``drain`` (every ``state.load_interval``)
     groups them by backend and drops repeated chains: a shared system prompt is sent once a batch.
+    Each chain goes with its prompt's size in tokens: the receiving memory sizes the prompt's tail
+    past the last key with it, as for a prompt it placed itself (without, it counted only the keys'
+    segments and kept documents the engine had evicted for the tails).
     """
 
     __slots__ = ("_out",)
 
     def __init__(self, capacity: int = 1024):
-        self._out: deque[tuple[str, tuple[int, ...]]] = deque(maxlen=capacity)
+        self._out: deque[tuple[str, tuple[int, ...], int]] = deque(maxlen=capacity)
 
     def __len__(self) -> int:
         return len(self._out)
 
-    def record(self, backend_id: str, keys: tuple[int, ...]) -> None:
-        self._out.append((backend_id, keys))
+    def record(self, backend_id: str, keys: tuple[int, ...], tokens: int = 0) -> None:
+        self._out.append((backend_id, keys, tokens))
 
     def drain(self) -> dict[str, list[list[int]]]:
         """{backend id: its key chains (each a prompt's leading keys), each once, in the order they were
         placed}; empties the log. Chains, not a flat key list: the receiving memory sizes each key by
         its depth in a chain."""
-        by: dict[str, dict[tuple[int, ...], None]] = {}
+        return self.drain_sized()[0]
+
+    def drain_sized(self) -> tuple[dict[str, list[list[int]]], dict[str, list[int]]]:
+        """``drain``'s chains, and for each backend its chains' prompt tokens in the same order."""
+        by: dict[str, dict[tuple[int, ...], int]] = {}
         out = self._out
         while out:
-            bid, keys = out.popleft()
+            bid, keys, tokens = out.popleft()
             seen = by.get(bid)
             if seen is None:
                 seen = by[bid] = {}
             seen.pop(keys, None)  # re-placed: moves to the end, as in the backend's LRU
-            seen[keys] = None
-        return {bid: [list(k) for k in chains] for bid, chains in by.items()}
+            seen[keys] = tokens
+        return ({bid: [list(k) for k in chains] for bid, chains in by.items()},
+                {bid: list(chains.values()) for bid, chains in by.items()})

@@ -2,7 +2,10 @@
 
 - Load: every ``state.load_interval`` (and with each heartbeat) a replica writes its in-flight
   count per backend under a key that expires with ``state.lease_ttl`` (a dead replica's counts
-  vanish on their own) and reads the others'; their sum lands in ``Backend.remote_in_flight``.
+  vanish on their own) and reads the others'; their sum lands in ``Backend.remote_in_flight``. With a
+  balancer that models them, also what those requests hold (``Backend.remote_kv``, ``remote_decode``,
+  ``remote_prefill``): its prefix memory and the KV capacity it learns from /metrics need the whole
+  backend's reservations, and its latency estimate the others' work, not only their number.
   When it goes down on some backend, ``freed`` is called: the gateway queue may bind a waiter there.
 - Prefix placements: with a balancer that keeps a prefix memory (``shares_prefixes``), the prefix
   keys it sent to each backend since the last exchange ride on the same round trip, published on
@@ -37,6 +40,80 @@ MAX_CHAINS_PER_BACKEND = 1024  # in one received placements message (a sender lo
 MAX_CHAIN_KEYS = 16  # a prompt has at most len(routing.prefix.BOUNDARIES) keys
 # One sender's message is at most 1024 chains of 11 keys (~250 KB); anything larger is not one of ours.
 MAX_PLACEMENTS_BYTES = 1 << 20
+# A load entry's fields beside the in-flight count: what a replica's requests on a backend hold, as its
+# balancer counts it (KV tokens reserved, output tokens left, prompt tokens to prefill). Each name starts
+# with NUL, which no backend id does, and each value stays an integer (an older replica adds every field
+# up as a count of some backend it does not have).
+KV_FIELD = "\x00kv\x00"
+DECODE_FIELD = "\x00dec\x00"
+PREFILL_FIELD = "\x00pre\x00"
+
+
+def load_entry(backends: Any, balancer: Any) -> dict[str, int]:
+    """What this replica publishes on the load exchange: its in-flight count per backend and, from a
+    balancer that models them (``shared_load``), what those requests hold there."""
+    out: dict[str, int] = {}
+    for b in backends:
+        if b.in_flight > 0:
+            out[b.id] = b.in_flight
+            kv, decode, prefill = balancer.shared_load(b) if balancer is not None else (0.0, 0.0, 0.0)
+            if kv >= 1:  # the sign that the rest is told: a request in flight holds some KV
+                out[KV_FIELD + b.id] = int(kv)
+                out[DECODE_FIELD + b.id] = int(decode)
+                out[PREFILL_FIELD + b.id] = int(prefill)
+    return out
+
+
+def apply_load(backends: Any, totals: dict[str, int]) -> bool:
+    """The other replicas' summed entries into each backend; True when some in-flight count went down."""
+    lower = False
+    for b in backends:
+        n = totals.get(b.id, 0)
+        lower = lower or n < b.remote_in_flight
+        b.remote_in_flight = n
+        told = n > 0 and totals.get(KV_FIELD + b.id, 0) > 0
+        b.remote_kv = totals[KV_FIELD + b.id] if told else 0
+        b.remote_decode = totals.get(DECODE_FIELD + b.id, 0) if told else 0
+        b.remote_prefill = totals.get(PREFILL_FIELD + b.id, 0) if told else 0
+    return lower
+
+
+MAX_PROMPT_TOKENS = 10_000_000  # a placed prompt's size; larger is not a real prompt
+
+
+def placements_message(replica: str, placements: Any) -> bytes:
+    """The placements since the last exchange (``routing.prefix.Placements``), drained into one message:
+    ``p`` the key chains per backend, ``t`` their prompts' tokens in the same order (a replica that
+    predates ``t`` reads ``p`` alone)."""
+    chains, tokens = placements.drain_sized()
+    return orjson.dumps({"from": replica, "p": chains, "t": tokens})
+
+
+def learn_placements(data: bytes | str, replica: str, backend: Callable[[str], Any], balancer: Any) -> None:
+    """Another replica's placements message into ``balancer``'s prefix memory. Redis content is not
+    trusted: the size is checked before the parse, every chain and count is validated, and a backend's
+    token counts that are not one valid count per chain are ignored (its chains still count)."""
+    if len(data) > MAX_PLACEMENTS_BYTES:
+        return  # checked before the parse: its cost stays bounded whatever lands on the channel
+    try:
+        msg = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return
+    if not isinstance(msg, dict) or msg.get("from") == replica or not isinstance(msg.get("p"), dict):
+        return
+    sizes = msg.get("t")
+    for bid, chains in msg["p"].items():
+        b = backend(bid)
+        if b is None or not isinstance(chains, list):
+            continue  # a backend this replica does not have (yet)
+        tokens = sizes.get(bid) if isinstance(sizes, dict) else None
+        if not (isinstance(tokens, list) and len(tokens) == len(chains)
+                and all(type(t) is int and 0 <= t <= MAX_PROMPT_TOKENS for t in tokens[-MAX_CHAINS_PER_BACKEND:])):
+            tokens = None
+        valid = [i for i, c in enumerate(chains[-MAX_CHAINS_PER_BACKEND:], start=max(0, len(chains) - MAX_CHAINS_PER_BACKEND))
+                 if isinstance(c, list) and 0 < len(c) <= MAX_CHAIN_KEYS and all(type(k) is int for k in c)]
+        if valid:
+            balancer.learn_placements(b, [chains[i] for i in valid], [tokens[i] for i in valid] if tokens is not None else None)
 
 
 class Cluster:
@@ -49,6 +126,7 @@ class Cluster:
         self.freed = freed
         self.pool = pool
         self.make_backend = make_backend
+        self.policy = balancer
         self.balancer = balancer if balancer is not None and balancer.shares_prefixes else None
         self.prefixes = f"{store.cfg.prefix}:prefixes"
         self.placements: Any = None  # the balancer's outbox (routing.prefix.Placements)
@@ -65,7 +143,7 @@ class Cluster:
         self._stopping = False
 
     def start(self) -> None:
-        self.store.local_load = lambda: {b.id: b.in_flight for b in self.pool if b.in_flight > 0}
+        self.store.local_load = lambda: load_entry(self.pool, self.policy)
         self.store.on_load = self._apply_load
         self.store.handlers[self.events] = self._on_event
         if self.balancer is not None:
@@ -98,12 +176,7 @@ class Cluster:
                 log.debug("load exchange: %s", exc.__class__.__name__)
 
     def _apply_load(self, totals: dict[str, int]) -> None:
-        lower = False
-        for b in self.pool:
-            n = totals.get(b.id, 0)
-            lower = lower or n < b.remote_in_flight
-            b.remote_in_flight = n
-        if lower and self.freed is not None:
+        if apply_load(self.pool, totals) and self.freed is not None:
             # Another replica's request finished: without this, a waiter here would wait for our own
             # next completion or /metrics poll to see the slot.
             self.freed()
@@ -112,25 +185,10 @@ class Cluster:
     def _placements_message(self) -> tuple[str, bytes] | None:
         if self.placements is None or not len(self.placements):
             return None
-        return self.prefixes, orjson.dumps({"from": self.store.replica, "p": self.placements.drain()})
+        return self.prefixes, placements_message(self.store.replica, self.placements)
 
     def _on_placements(self, data: bytes | str) -> None:
-        if len(data) > MAX_PLACEMENTS_BYTES:
-            return  # checked before the parse: its cost stays bounded whatever lands on the channel
-        try:
-            msg = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            return
-        if not isinstance(msg, dict) or msg.get("from") == self.store.replica or not isinstance(msg.get("p"), dict):
-            return
-        for bid, chains in msg["p"].items():
-            b = self.pool.get(bid)
-            if b is None or not isinstance(chains, list):
-                continue  # a backend this replica does not have (yet)
-            valid = [c for c in chains[-MAX_CHAINS_PER_BACKEND:]
-                     if isinstance(c, list) and 0 < len(c) <= MAX_CHAIN_KEYS and all(type(k) is int for k in c)]
-            if valid:
-                self.balancer.learn_placements(b, valid)
+        learn_placements(data, self.store.replica, self.pool.get, self.balancer)
 
     # -- ejection ----------------------------------------------------------------------------------
     def _on_change(self, b: Any) -> None:
@@ -198,8 +256,10 @@ class Cluster:
         raw = await self.store._call("directory", self.store.r.hgetall(self.directory))
         present: set[str] = set()
         for k, v in raw.items():
-            bid = k.decode() if isinstance(k, bytes) else k
             try:
+                bid = k.decode() if isinstance(k, bytes) else k
+                if not (bid.isprintable() and len(bid) <= 128):
+                    raise ValueError("id")  # as a configured name must be (the load exchange's own fields start with NUL)
                 entry = orjson.loads(v)
                 url, models = str(entry["url"]), frozenset(str(m) for m in entry["models"])
                 role, slots = _role(entry.get("role")), _slots(entry.get("slots"))

@@ -639,13 +639,7 @@ class RedisStore(StateStore):
         others = [m.decode() if isinstance(m, bytes) else m for m in res[-1]]
         others = [m for m in others if m != self.replica]
         if self.local_load is not None and others:
-            loads = await self._call("load", _hgetall_many(self.r, [f"{self._p}:load:{m}" for m in others]))
-            total: dict[str, int] = {}
-            for mapping in loads:
-                for b, n in mapping.items():
-                    b = b.decode() if isinstance(b, bytes) else b
-                    total[b] = total.get(b, 0) + int(n)
-            self.load = total
+            self.load = _sum_loads(await self._call("load", _hgetall_many(self.r, [f"{self._p}:load:{m}" for m in others])))
         else:
             self.load = {}
         if self.on_load is not None:
@@ -686,12 +680,7 @@ class RedisStore(StateStore):
         res = await self._call("load", pipe.execute())
         others = [m.decode() if isinstance(m, bytes) else m for m in res[-1]]
         others = [m for m in others if m != self.replica]
-        total: dict[str, int] = {}
-        if others:
-            for mapping in await self._call("load", _hgetall_many(self.r, [f"{self._p}:load:{m}" for m in others])):
-                for b, n in mapping.items():
-                    b = b.decode() if isinstance(b, bytes) else b
-                    total[b] = total.get(b, 0) + int(n)
+        total = _sum_loads(await self._call("load", _hgetall_many(self.r, [f"{self._p}:load:{m}" for m in others]))) if others else {}
         self.load = total
         if self.on_load is not None:
             self.on_load(total)
@@ -730,6 +719,31 @@ class RedisStore(StateStore):
                 elif kind == "e":
                     row.estimated += n
         return merge_rows(rows.values())
+
+
+MAX_LOAD_FIELDS = 4096  # per replica's entry: a few fields per backend; a larger hash is not one of ours
+MAX_LOAD_VALUE = 10**12  # KV tokens or requests on one backend; bigger is not a real count
+
+
+def _sum_loads(mappings: list[dict[Any, Any]]) -> dict[str, int]:
+    """The other replicas' load entries summed per field. Redis content is not trusted: an entry with
+    too many fields is skipped whole, a field or value that is not a short non-negative integer alone
+    (its length checked before the parse), so one bad entry never stops the exchange."""
+    total: dict[str, int] = {}
+    for mapping in mappings:
+        if not isinstance(mapping, dict) or len(mapping) > MAX_LOAD_FIELDS:
+            continue
+        for f, v in mapping.items():
+            if not isinstance(v, (bytes, str)) or not 0 < len(v) <= 13 or len(f) > 1024:
+                continue
+            try:
+                n = int(v)
+                f = f.decode() if isinstance(f, bytes) else f
+            except (ValueError, UnicodeDecodeError):
+                continue
+            if 0 <= n <= MAX_LOAD_VALUE:
+                total[f] = total.get(f, 0) + n
+    return total
 
 
 async def _hgetall_many(r: Any, keys: list[str]) -> list[dict[Any, Any]]:

@@ -165,8 +165,15 @@ class Balancer:
             self.placements = Placements()
         return self.placements
 
-    def learn_placements(self, backend: Backend, chains: Sequence[Sequence[int]]) -> None:
-        """Another replica sent requests with these prefix key chains to ``backend`` (``shares_prefixes``)."""
+    def learn_placements(self, backend: Backend, chains: Sequence[Sequence[int]], tokens: Sequence[int] | None = None) -> None:
+        """Another replica sent requests with these prefix key chains to ``backend`` (``shares_prefixes``);
+        ``tokens``: each one's prompt tokens, in the same order (None: an older replica did not say)."""
+
+    def shared_load(self, backend: Backend) -> tuple[float, float, float]:
+        """What this replica's requests in flight on ``backend`` hold, for the other replicas (the load
+        exchange; their ``Backend.remote_kv``, ``remote_decode``, ``remote_prefill``): (KV tokens they
+        reserve, output tokens they have left, prompt tokens still to prefill). Zeros: not modelled."""
+        return 0.0, 0.0, 0.0
 
     def _least(self, candidates: Sequence[Backend], score: Callable[[Backend], float]) -> Backend:
         """The lowest score, ties at random."""

@@ -20,7 +20,7 @@ from .sizes import Sizes, SizesByModel
 class BackendModel:
     """What the expected-latency policy knows about one backend."""
 
-    __slots__ = ("full_at", "done", "inflight", "area", "area_t", "w", "sn", "sy", "fit", "ext", "if_max", "slots", "kv", "kv_capacity", "prefixes", "signals")
+    __slots__ = ("full_at", "done", "inflight", "area", "area_t", "w", "sn", "sy", "fit", "ext", "remote", "remote_max", "if_max", "slots", "kv", "kv_capacity", "prefixes", "signals")
 
     def __init__(self, now: float, prefixes: PrefixMemory):
         self.inflight: dict[int, RequestInfo] = {}  # requests this gateway has on it
@@ -33,7 +33,9 @@ class BackendModel:
         self.sy = 0.0
         # Slower sums for the slope of y on n̄ (γ is a property of model and engine): w, Σn, Σn², Σy, Σny.
         self.fit = [0.0, 0.0, 0.0, 0.0, 0.0]
-        self.ext = 0.0  # sequences on the backend that are not ours (other replicas, direct clients), from /metrics
+        self.ext = 0.0  # sequences on the backend that no gateway replica sent (direct clients), from /metrics
+        self.remote = 0  # the other gateway replicas' requests on it (the load exchange's Backend.remote_in_flight)
+        self.remote_max = 0  # most of theirs since the last scrape
         self.if_max = 0  # most of ours in flight since the last scrape
         self.slots: int | None = None  # the engine's batch slots, learnt when /metrics shows a queue or a first byte comes late
         self.full_at = 0  # sequences on the backend at the last sign of a full batch (a slot is learnt when two agree)
@@ -45,7 +47,7 @@ class BackendModel:
 
     def batch(self) -> float:
         """Sequences in the engine's batch: ours and others', at most its slots (the rest wait)."""
-        n = len(self.inflight) + self.ext
+        n = len(self.inflight) + self.ext + self.remote
         return n if self.slots is None or n <= self.slots else float(self.slots)
 
     def advance(self, now: float) -> None:
@@ -85,9 +87,13 @@ class ExpectedLatencyBalancer(Balancer):
       on the heterogeneous fleet in the replay).
     - rem_j: j's expected output (max_tokens × the observed fill ratio, or the running mean) less
       what it decoded since its first byte. Work is counted in tokens, not requests.
-    - j runs over this gateway's requests on b plus ext_b others': ext_b = running + waiting from
-      b's /metrics less the most we had on b between two polls (never negative). The gauges
-      refresh every 10 s; until they change, our own reservations are what counts.
+    - j runs over this gateway's requests on b, the other gateway replicas' (their count and what
+      they hold: KV, output left, prompt to prefill, from the load exchange every 50 ms; with them
+      each replica's model of b is the whole backend's, bench/routing/README.md "Replicas scenario"),
+      and ext_b more: running + waiting from b's /metrics less the most that we and the other
+      replicas had on b between two polls (never negative). The gauges refresh every 10 s; until
+      they change, the reservations are what counts. Others that nobody describes count at half the
+      mean output each, a tenth of them in prefill.
     - W_b: decode steps until r is admitted: the (n+1-slots)-th smallest rem_j when the batch is
       full, or until enough j finish to free KV for r (prompt + output of all ours + r's over the
       KV capacity). slots_b and the KV capacity are learnt from /metrics; unknown means no limit.
@@ -166,6 +172,14 @@ class ExpectedLatencyBalancer(Balancer):
 
     def _model(self, b: Backend) -> BackendModel:
         m = self.models(b)
+        if m.remote != b.remote_in_flight:
+            # The others' requests count in the batch, for the step time and the ∫batch dt that σ is
+            # learnt from: without them, each of N replicas saw a busy backend's batch as ~1/N of it,
+            # learnt its σ too high and kept requests off the fastest backends.
+            m.advance(self.clock())
+            m.remote = b.remote_in_flight
+            if m.remote > m.remote_max:
+                m.remote_max = m.remote
         if m.slots is None and b.slots is not None:
             # Slots the launcher knows (the group's max_batch_size, the sim's default): no need to
             # wait for /metrics to show a queue. ``balancer.slots`` still wins when set.
@@ -178,11 +192,13 @@ class ExpectedLatencyBalancer(Balancer):
     def forget(self, backend_id: str) -> None:
         self.models.forget(backend_id)
 
-    def learn_placements(self, backend: Backend, chains: Sequence[Sequence[int]]) -> None:
-        # Only the prefix memory: the other replica's load arrives as remote_in_flight.
+    def learn_placements(self, backend: Backend, chains: Sequence[Sequence[int]], tokens: Sequence[int] | None = None) -> None:
+        # Only the prefix memory: the other replica's load arrives as remote_in_flight and remote_kv.
+        # With each prompt's size, the memory evicts past the room as for a prompt placed here.
         m, now = self._model(backend), self.clock()
-        for keys in chains:
-            m.prefixes.add(tuple(keys), now)
+        room = self._room(backend, m, min(backend.models)) if tokens is not None and backend.models else None
+        for i, keys in enumerate(chains):
+            m.prefixes.add(tuple(keys), now, tokens[i] if room is not None else 0.0, room)
 
     @property
     def rho(self) -> float:
@@ -224,8 +240,11 @@ class ExpectedLatencyBalancer(Balancer):
         and the others' at the mean request size); None while the KV capacity is unknown."""
         if m.kv_capacity is None:
             return None
-        ext = max(m.ext, float(b.remote_in_flight))
-        return max(0.0, m.kv_capacity - m.kv - ext * self._sizes(model).tokens_avg)
+        ext = m.ext + b.remote_in_flight
+        # The other replicas' reservations as they count them; the rest (direct clients, a replica that
+        # does not send its KV) at the mean request size.
+        known = b.remote_in_flight if b.remote_kv > 0 else 0
+        return max(0.0, m.kv_capacity - m.kv - b.remote_kv - max(0.0, ext - known) * self._sizes(model).tokens_avg)
 
     # -- the estimate -----------------------------------------------------------------------------
     def expected_latency(self, b: Backend, req: RequestInfo, now: float, fleet: float, depth: int | None = None) -> tuple[float, int]:
@@ -244,39 +263,34 @@ class ExpectedLatencyBalancer(Balancer):
         n = m.batch()
         step = sigma * (1.0 + g * n)
         rho = self.rho  # a property: once per estimate, not once per request in flight
-        queued = 0.0
+        queued, rems = self._progress(m, now, step, sigma, rho)  # rems: (output tokens left, KV held) of each of ours
         shared = 0.0
-        rems: list[tuple[float, float]] = []  # (output tokens left, KV held) of each of ours
-        for j in m.inflight.values():
-            if j.first_byte_at:
-                decoded = (now - j.first_byte_at) / step
-            elif j.stream:
-                queued += j.uncached
-                decoded = 0.0
-            else:  # a non-streamed response shows no first byte: assume its prefill took the estimate
-                t = now - j.dispatched_at - rho * sigma * j.prefill_ahead
-                if t < 0:
-                    queued += j.uncached
-                decoded = t / step if t > 0 else 0.0
-            rem = j.out_tokens - decoded
-            if rem < 1.0:
-                rem = 1.0
+        for rem, _ in rems:
             shared += rem if rem < d else d
-            rems.append((rem, j.kv_tokens))
         sizes = self._sizes(req.model)
-        ext_rem = 0.0
-        # Others' sequences on b: what its /metrics shows beyond ours, or what the other gateway
-        # replicas report through the shared state (fresher), whichever is more.
-        ext = max(m.ext, float(b.remote_in_flight))
+        # Others' sequences on b: the other gateway replicas' (the load exchange, 50 ms old at most)
+        # and what its /metrics shows beyond every replica's. The replicas say what their requests
+        # have left to decode and to prefill; the rest count at half the mean output, 10% of them in prefill.
+        ext = m.ext + b.remote_in_flight
+        others_seq: list[tuple[float, float]] = []  # (output tokens left, KV held) of each of the others
         if ext:
-            ext_rem = min(sizes.out_avg / 2, d)
-            shared += ext * ext_rem
-            queued += ext * sizes.prompt(req) * 0.1  # some of the others are in prefill; a rough share
+            ext_rem = sizes.out_avg / 2
+            told = b.remote_in_flight if b.remote_kv > 0 else 0
+            if told:
+                each = b.remote_decode / told
+                shared += told * (each if each < d else d)
+                queued += b.remote_prefill
+                others_seq = [(each, b.remote_kv / told)] * told
+            rest = ext - told
+            if rest:
+                shared += rest * (ext_rem if ext_rem < d else d)
+                queued += rest * sizes.prompt(req) * 0.1  # some of the others are in prefill; a rough share
+                others_seq += [(ext_rem, 0.0)] * int(rest)
         prompt = sizes.prompt(req)
         uncached = max(0.0, prompt - key_tokens(depth))
         prefill = rho * sigma * (queued + uncached)
         lat = prefill + sigma * (1.0 + g) * d + sigma * g * shared
-        wait = self._wait_steps(m, rems, prompt + d, int(ext), sizes.out_avg / 2)
+        wait = self._wait_steps(m, rems, prompt + d, others_seq, b.remote_kv)
         wait_s = wait * step
         lat += wait_s
         others = self.config.others_weight
@@ -325,27 +339,56 @@ class ExpectedLatencyBalancer(Balancer):
         # without walking the requests in flight: a free batch slot (or none known) and KV room
         # (or no capacity known), with the same arithmetic as there.
         m = self._model(backend)
-        if m.slots is not None and len(m.inflight) + int(max(m.ext, float(backend.remote_in_flight))) + 1 > m.slots:
+        if m.slots is not None and len(m.inflight) + int(m.ext + backend.remote_in_flight) + 1 > m.slots:
             return False
-        if m.kv_capacity is not None and m.inflight:
+        if m.kv_capacity is not None and (m.inflight or backend.remote_kv > 0):
             self._prepare(req)
-            if m.kv + (self._sizes(req.model).prompt(req) + req.out_tokens) - m.kv_capacity > 0:
+            if m.kv + backend.remote_kv + (self._sizes(req.model).prompt(req) + req.out_tokens) - m.kv_capacity > 0:
                 return False
         return True
 
+    def _progress(self, m: BackendModel, now: float, step: float, sigma: float, rho: float) -> tuple[float, list[tuple[float, float]]]:
+        """(uncached prompt tokens of b's requests still in prefill, (output tokens left, KV held) of each of ours)."""
+        queued = 0.0
+        rems: list[tuple[float, float]] = []
+        for j in m.inflight.values():
+            if j.first_byte_at:
+                decoded = (now - j.first_byte_at) / step
+            elif j.stream:
+                queued += j.uncached
+                decoded = 0.0
+            else:  # a non-streamed response shows no first byte: assume its prefill took the estimate
+                t = now - j.dispatched_at - rho * sigma * j.prefill_ahead
+                if t < 0:
+                    queued += j.uncached
+                decoded = t / step if t > 0 else 0.0
+            rem = j.out_tokens - decoded
+            rems.append((rem if rem > 1.0 else 1.0, j.kv_tokens))
+        return queued, rems
+
+    def shared_load(self, backend: Backend) -> tuple[float, float, float]:
+        m = self.models.get(backend)
+        if m is None or not m.inflight:
+            return 0.0, 0.0, 0.0
+        sigma = self.sigma(backend, self._fleet)
+        queued, rems = self._progress(m, self.clock(), sigma * (1.0 + self.gamma * m.batch()), sigma, self.rho)
+        return m.kv, sum(r for r, _ in rems), queued
+
     @staticmethod
-    def _wait_steps(m: BackendModel, rems: list[tuple[float, float]], kv_new: float, ext: int = 0, ext_rem: float = 0.0) -> float:
+    def _wait_steps(m: BackendModel, rems: list[tuple[float, float]], kv_new: float, others: Sequence[tuple[float, float]] = (),
+                    others_kv: float = 0.0) -> float:
         """Decode steps until r is admitted: a batch slot and room for its KV must both free up.
-        Sequences of others (``ext``, from /metrics) take slots too; each has ``ext_rem`` tokens left."""
+        ``others``: (output tokens left, KV held) of each sequence on b that is not ours (they take slots
+        too); ``others_kv``: the KV they hold between them, where known (the other replicas')."""
         wait = 0.0
-        if m.slots is not None and len(rems) + ext + 1 > m.slots:
-            ahead = rems + [(ext_rem, 0.0)] * ext if ext else rems
+        if m.slots is not None and len(rems) + len(others) + 1 > m.slots:
+            ahead = rems + list(others) if others else rems
             wait = heapq.nsmallest(len(ahead) + 1 - m.slots, ahead)[-1][0]
-        if m.kv_capacity is not None and rems:
-            need = m.kv + kv_new - m.kv_capacity
+        if m.kv_capacity is not None and (rems or others_kv):
+            need = m.kv + others_kv + kv_new - m.kv_capacity
             if need > 0:
                 freed = 0.0
-                for rem, kv in sorted(rems):  # the first to finish free their KV first
+                for rem, kv in sorted(rems + list(others) if others_kv else rems):  # the first to finish free their KV first
                     freed += kv
                     if freed >= need:
                         break
@@ -432,7 +475,7 @@ class ExpectedLatencyBalancer(Balancer):
         # drops what the engine's LRU would.
         m.prefixes.add(req.prefix_keys, now, prompt, self._room(backend, m, req.model))
         if req.prefix_keys and self.placements is not None:
-            self.placements.record(backend.id, req.prefix_keys)
+            self.placements.record(backend.id, req.prefix_keys, int(prompt))
 
     def first_byte(self, backend: Backend, req: RequestInfo, ttft: float) -> None:
         m = self._model(backend)
@@ -444,7 +487,7 @@ class ExpectedLatencyBalancer(Balancer):
         req.area_at = m.area
         sigma = self.sigma(backend, self._fleet)
         if m.slots is None and ttft > 0:
-            self._learn_slots(m, req, ttft, sigma, now, max(m.ext, float(backend.remote_in_flight)))
+            self._learn_slots(m, req, ttft, sigma, now, m.ext + float(backend.remote_in_flight))  # ext no longer holds the replicas'
         if req.prefill_ahead > 0 and ttft > 0:
             # Seconds of prefill per token per σ: TTFT less one decode step.
             prefill = max(0.0, ttft - sigma * (1.0 + self.gamma * m.batch()))
@@ -541,19 +584,28 @@ class ExpectedLatencyBalancer(Balancer):
         m.advance(self.clock())
         if changed:
             seen = signals.running + signals.waiting
-            m.ext = max(0.0, seen - m.if_max)
+            # Beyond the most that this and the other replicas had there since the last scrape: the
+            # gauges are up to 10 s old, and counting the replicas' requests from them (instead of
+            # the exchange's fresh count) held a burst's load on a backend for seconds after it left.
+            m.ext = max(0.0, seen - m.if_max - m.remote_max)
             m.slots = learn_slots(m.slots, signals)
-            if signals.kv_usage >= 0.2 and m.kv > 0:
-                # The KV our admitted requests hold over the usage the gauge shows. Admission is in
-                # order, so the newest `waiting` of ours are the ones not admitted. The gauge is up to a
-                # refresh old, hence the smoothing.
-                held = m.kv
+            if signals.kv_usage >= 0.2 and m.kv + backend.remote_kv > 0:
+                # The KV the admitted requests hold (ours, and the other replicas' as they report it) over
+                # the usage the gauge shows: without theirs, N replicas each learnt about 1/N of the cache.
+                # Admission is in order, so the newest `waiting` of ours are the ones not admitted (the
+                # others' share of the queue in proportion). The gauge is up to a refresh old, hence the smoothing.
+                held = m.kv + backend.remote_kv
                 queued = int(signals.waiting)
                 if queued:
-                    held -= sum(j.kv_tokens for j in itertools.islice(reversed(m.inflight.values()), queued))
+                    remote = backend.remote_in_flight if backend.remote_kv > 0 else 0
+                    ours = queued if not remote else round(queued * len(m.inflight) / (len(m.inflight) + remote))
+                    held -= sum(j.kv_tokens for j in itertools.islice(reversed(m.inflight.values()), ours))
+                    if remote:
+                        held -= backend.remote_kv * min(1.0, (queued - ours) / remote)
                 if held > 0:
                     cap = held / signals.kv_usage
                     m.kv_capacity = cap if m.kv_capacity is None else 0.7 * m.kv_capacity + 0.3 * cap
         if not signals.fresh(self.clock()):
             m.ext = 0.0
         m.if_max = len(m.inflight)
+        m.remote_max = m.remote
