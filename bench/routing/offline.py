@@ -30,6 +30,7 @@ from gateway.config.balancer import BalancerConfig  # noqa: E402
 from gateway.routing.policies import Outcome, make_balancer, request_info  # noqa: E402
 from gateway.routing.policies.base import Balancer  # noqa: E402
 from gateway.config.balancer import DEFAULT_PRIORITY, PRIORITY_NAMES  # noqa: E402
+from gateway.config.state import StateConfig  # noqa: E402
 from gateway.routing.pool import Backend  # noqa: E402
 from gateway.routing.queue import Admission, Waiter  # noqa: E402
 from gateway.routing.signals import Signals, update_signals  # noqa: E402
@@ -208,7 +209,7 @@ def policy_spec(spec: str, cfg: BalancerConfig) -> tuple[str, BalancerConfig]:
 
 
 def replay(policy: str, speeds: list[float], trace, params: SimParams, cfg: BalancerConfig, seed: int = 0, warmup: float = 0.1,
-           replicas: int = 1, interval: float = 0.05, push_gap: float = 0.0) -> dict:
+           replicas: int = 1, interval: float = StateConfig.load_interval, push_gap: float = 0.0) -> dict:
     """``replicas`` > 1: that many gateways (a policy, its own Backend objects, queue and scrapes each)
     share the engines; request i goes to replica ``i % replicas``. Each sees the others only as the
     load exchange (``gateway/state/cluster.py``) shows them: every ``interval`` a replica publishes
@@ -426,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shared", type=float, default=0.5)
     ap.add_argument("--mean", action="store_true", help="per fleet and load, also print each policy's figures averaged over --seeds")
     ap.add_argument("--replicas", type=int, default=1, help="gateways sharing the fleet, requests alternated (the replicas scenario)")
-    ap.add_argument("--load-interval", type=float, default=0.05, help="with --replicas: seconds between load exchanges")
+    ap.add_argument("--load-interval", type=float, default=StateConfig.load_interval, help="with --replicas: seconds between load exchanges")
     ap.add_argument("--push-gap", type=float, default=0.0, help="with --replicas: also publish a replica's load this soon after it changes")
     ap.add_argument("--mixed", action="store_true", help="interactive short requests (key ui) at --loads, alone and with a batch flood (key bulk) at 100%%")
     args = ap.parse_args(argv)

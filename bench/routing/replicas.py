@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--shared", type=float, default=0.5, help="share of requests that open with a shared document")
     p.add_argument("--warmup", type=float, default=0.1, help="share of the first requests left out of the figures")
-    p.add_argument("--load-interval", type=float, default=None, help="state.load_interval of the replicas (default: the gateway's, 0.05 s)")
+    p.add_argument("--load-interval", type=float, default=None, help="state.load_interval of the replicas (default: the gateway's, 0.02 s)")
     p.add_argument("--no-single-redis", action="store_true", help="leave out the one-replica-with-Redis row")
     p.add_argument("--learnt", action="store_true", help="print what each gateway learnt (picks, σ, γ, ρ, KV capacity per backend)")
     args = p.parse_args(argv)
