@@ -15,6 +15,8 @@ import redis as syncredis
 from gateway.state.resp import ReplyError, RespPipe, pack
 from redisd import RedisServer
 
+pytestmark = pytest.mark.e2e  # a real redis-server
+
 
 def _k(name: str) -> bytes:
     return f"resp{secrets.token_hex(4)}:{name}".encode()

@@ -13,6 +13,8 @@ from gateway.filters.auth import hash_key, new_key
 from gateway.state.redis import RedisStore
 from gateway.state.settle import CHUNK, Settle, settle_calls
 
+pytestmark = pytest.mark.e2e  # a real redis-server
+
 MODEL = "m"
 
 
