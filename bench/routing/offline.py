@@ -363,13 +363,7 @@ def replay(policy: str, speeds: list[float], trace, params: SimParams, cfg: Bala
             for r2 in range(n):
                 if r2 != r:
                     learn_placements(msg, f"r{r2}", lambda bid, r2=r2: fleets[r2][int(bid[1:])], bals[r2])
-        totals: dict[str, int] = {}
-        for o in range(n):
-            if o != r:
-                for k, v in published[o].items():
-                    totals[k] = totals.get(k, 0) + v
-        if apply_load(fleets[r], totals) and adms[r] is not None:
-            drain(r)
+        read(r)
         if pending():
             loop.at(loop.now + interval, exchange, r)
 
