@@ -153,6 +153,8 @@ def print_table(title: str, rows: list[dict]) -> None:
         line = " ".join(fmt.format(r[k]) for k, _, fmt in COLUMNS)
         if base is not None and r is not base and base["lat_p99"] > 0:
             line += f"   p99 {100 * (r['lat_p99'] / base['lat_p99'] - 1):+.0f}% vs {BASELINE}"
+        if r.get("refused"):
+            line += f"   {r['refusals_with_retry_after']}/{r['refused']} refusals with Retry-After"
         print(line, flush=True)
 
 
