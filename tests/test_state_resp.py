@@ -143,3 +143,38 @@ async def test_a_closed_pipe_refuses_at_once(redis_server):
 def test_only_redis_urls_are_taken():
     with pytest.raises(ValueError, match="scheme"):
         RespPipe("http://127.0.0.1:6379/0", 1.0)
+
+
+async def test_a_reply_over_the_cap_drops_the_connection_before_the_deadline_not_buffered():
+    # Whatever answers on Redis's port is bounded like a backend: a bulk reply that announces 1 GB and
+    # keeps sending is dropped once the unparsed bytes pass the cap, long before the batch's deadline.
+    sent = 0
+
+    async def flood(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal sent
+        await reader.read(64)
+        writer.write(b"$1000000000\r\n")
+        chunk = b"x" * 65536
+        try:
+            for _ in range(1024):  # 64 MiB at most
+                writer.write(chunk)
+                sent += len(chunk)
+                await writer.drain()
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(flood, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    pipe = RespPipe(f"redis://127.0.0.1:{port}/0", 10.0, max_reply_bytes=1 << 20)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ConnectionError, match="over"):
+            await pipe.request(pack(b"PING"), 1)
+        assert time.monotonic() - t0 < 5.0
+        assert sent < 32 << 20  # dropped, not read to the end
+    finally:
+        pipe.close()
+        server.close()
+        await server.wait_closed()

@@ -7,8 +7,8 @@ parsed by hiredis in ``data_received`` and handed to the batches in order (Redis
 so any number of batches may be in flight on the one connection. Everything else the store does
 (keys, heartbeat, pub/sub, usage) stays on redis-py.
 
-Bounded: every batch has a deadline (``timeout``); a batch still unanswered at its deadline closes
-the connection and fails every batch waiting on it (their replies could no longer be matched),
+Bounded: a reply's unparsed bytes are capped (``max_reply_bytes``: over it the connection is dropped);
+every batch has a deadline (``timeout``); a batch still unanswered at its deadline closes the connection and fails every batch waiting on it (their replies could no longer be matched),
 and the next request connects again (the connection attempt and handshake bounded the same way).
 An error reply fails nothing: it is a ``ReplyError`` in its place in the result list.
 """
@@ -38,12 +38,18 @@ def pack(*items: bytes) -> bytes:
     return b"".join(out)
 
 
+# The most of one reply the pipe holds unparsed. The hot path's replies are a few integers per
+# command; a Redis (or whatever answers on its port) that sends more is dropped, not buffered.
+MAX_REPLY_BYTES = 16 << 20
+
+
 class RespPipe:
-    def __init__(self, url: str, timeout: float) -> None:
+    def __init__(self, url: str, timeout: float, max_reply_bytes: int = MAX_REPLY_BYTES) -> None:
         u = urlsplit(url)
         if u.scheme not in ("redis", "rediss", "unix"):
             raise ValueError(f"unsupported Redis URL scheme {u.scheme!r}")
         self.timeout = timeout
+        self.max_reply_bytes = max_reply_bytes
         self._unix = u.path if u.scheme == "unix" else None
         self._host, self._port = u.hostname or "localhost", u.port or 6379
         self._ssl = ssl.create_default_context() if u.scheme == "rediss" else None
@@ -117,6 +123,8 @@ class RespPipe:
         while True:
             reply = reader.gets()
             if reply is False:
+                if reader.len() > self.max_reply_bytes:
+                    self._abort(ConnectionError(f"a Redis reply over {self.max_reply_bytes} bytes"))
                 return
             if not waiting:  # a reply nobody asked for: the stream is out of step, start again
                 self._abort(ConnectionError("unexpected reply from Redis"))
