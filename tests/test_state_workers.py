@@ -134,6 +134,8 @@ def test_the_internal_key_reaches_the_workers_from_the_parent_and_never_redis(ke
                 texts.append(r.get(k) or b"")
             elif kind == b"zset":
                 texts += r.zrange(k, 0, -1)
+            elif kind == b"list":
+                texts += r.lrange(k, 0, -1)
         directory = r.hgetall(f"{prefix}:backends")
         assert directory, "the launched backend is published"
         urls = {json.loads(v)["url"] for v in directory.values()}

@@ -25,7 +25,6 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from collections import deque
@@ -57,10 +56,15 @@ DROP_WARN_EVERY = 10.0  # seconds between warnings about dropped settles (one pe
 FLUSH_EVERY = 0.005  # seconds: how long settles gather before one pipeline carries them
 DOWN_FOR = 1.0  # seconds a failure keeps requests on the local fallback before Redis is tried again
 
-# KEYS: rpm bucket, tpm bucket, lease set, budget counter
-# ARGV: rpm, tpm, max concurrent, tokens to reserve, lease id, lease ttl (ms), budget, request id
-# rpm is a sliding log of the last minute's admissions (exact: never more than rpm in any 60 s);
-# tpm is a token bucket, because its reservations are settled later.
+# KEYS: rpm log, tpm bucket, lease set, budget counter
+# ARGV: rpm, tpm, max concurrent, tokens to reserve, lease id, lease ttl (ms), budget
+# rpm is a sliding log of the last minute's admissions (exact: never more than rpm in any 60 s), kept
+# as a list of their times, newest pushed at the head: they leave from the tail in the order they came,
+# so expiring one is a pop (each entry popped once), the count is LLEN and the oldest is the tail, all
+# O(1) (a sorted set of ~10^5 members cost a skiplist insert and a range delete per request). Redis's
+# clock only moves forward in practice; if it stepped back, an entry would sit behind a newer one and
+# leave late: the count errs on the safe side. tpm is a token bucket, because its reservations are
+# settled later.
 ADMIT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -74,10 +78,14 @@ local r = -1
 local k = -1
 local reset = 0
 if rpm > 0 then
-  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - 60000)
-  r = rpm - redis.call('ZCARD', KEYS[1])
-  local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
-  if oldest[2] then reset = tonumber(oldest[2]) + 60000 - now end
+  local expired = now - 60000
+  local oldest = redis.call('LINDEX', KEYS[1], -1)
+  while oldest and tonumber(oldest) <= expired do
+    redis.call('RPOP', KEYS[1])
+    oldest = redis.call('LINDEX', KEYS[1], -1)
+  end
+  r = rpm - redis.call('LLEN', KEYS[1])
+  if oldest then reset = tonumber(oldest) + 60000 - now end
 end
 if tpm > 0 then
   local v = redis.call('HMGET', KEYS[2], 'l', 't')
@@ -113,7 +121,7 @@ if conc > 0 then
 end
 if rpm > 0 then
   r = r - 1
-  redis.call('ZADD', KEYS[1], now, ARGV[8])
+  redis.call('LPUSH', KEYS[1], now)
   redis.call('PEXPIRE', KEYS[1], 61000)
   if reset == 0 then reset = 60000 end
 end
@@ -189,8 +197,6 @@ class RedisStore(StateStore):
         self.pipe = RespPipe(cfg.redis_url, cfg.timeout * 2)
         self._key_names: dict[str, tuple[bytes, bytes, bytes, str]] = {}
         self._usage_keys: dict[int, bytes] = {}  # this hour's usage hash name
-        self._replica_b = self.replica.encode()
-        self._admit_ids = itertools.count()
         self._lease_ttl_ms = int(cfg.lease_ttl * 1000)
         self._admit = self.r.register_script(ADMIT)
         self._settle_many = self.r.register_script(SETTLE_MANY)
@@ -381,7 +387,9 @@ class RedisStore(StateStore):
                 self._key_names.clear()
             h = key.hash[7:]
             names = self._key_names[key.hash] = (
-                f"{self._p}:rl:{h}:r".encode(), f"{self._p}:rl:{h}:t".encode(), f"{self._p}:cc:{h}".encode(), f"{self._p}:bud:{h}:"
+                # ``:q``, not the former ``:r`` (a sorted set): during an upgrade an old replica's log under
+                # the old name cannot answer WRONGTYPE to the new script; it expires on its own in 61 s.
+                f"{self._p}:rl:{h}:q".encode(), f"{self._p}:rl:{h}:t".encode(), f"{self._p}:cc:{h}".encode(), f"{self._p}:bud:{h}:"
             )
         return names
 
@@ -395,9 +403,8 @@ class RedisStore(StateStore):
         if not self._down():
             r_key, t_key, cc_key, _ = self._names(key)
             keys = [r_key, t_key, cc_key, self._budget_key(key)]
-            # The rpm log's member only has to be unique: this replica's id and a counter (no syscall).
             args = [key.rate_limit_rpm or 0, key.rate_limit_tpm or 0, key.max_concurrent or 0, reserve, lease,
-                    self._lease_ttl_ms, key.budget_tokens or 0, b"%s.%d" % (self._replica_b, next(self._admit_ids))]
+                    self._lease_ttl_ms, key.budget_tokens or 0]
             loop = asyncio.get_running_loop()
             fut: asyncio.Future[Any] = loop.create_future()
             self._admits.append((keys, args, fut))
