@@ -65,6 +65,13 @@ DOWN_FOR = 1.0  # seconds a failure keeps requests on the local fallback before 
 # clock only moves forward in practice; if it stepped back, an entry would sit behind a newer one and
 # leave late: the count errs on the safe side. tpm is a token bucket, because its reservations are
 # settled later.
+# Expiry without a PEXPIRE per request (each write command is ~1.3 us of Redis CPU):
+# - the rpm log keeps one entry stored negated, the refresh point M: when it was marked the log's
+#   expiry was set to M + 120 s. While M is in the window every entry is younger than M + 60 s, so the
+#   log outlives its newest entry by 60 s; once M leaves the window (popped) the oldest entry left is
+#   marked, or the next admission's if none is left, and the expiry set again: once a minute per key.
+# - the tpm bucket stores its expiry ('e'), set to 240 s ahead only when under 120 s are left: the
+#   bucket still outlives its last update by 120 s, as when every update set 120 s (SETTLE_MANY too).
 ADMIT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -77,19 +84,35 @@ local budget = tonumber(ARGV[7])
 local r = -1
 local k = -1
 local reset = 0
+local mark = false -- the rpm log needs a new refresh point
+local e = nil -- when the tpm bucket expires
 if rpm > 0 then
   local expired = now - 60000
   local oldest = redis.call('LINDEX', KEYS[1], -1)
-  while oldest and tonumber(oldest) <= expired do
+  while oldest do
+    local at = tonumber(oldest)
+    if at < 0 then at = -at end
+    if at > expired then oldest = at break end
+    if at ~= tonumber(oldest) then mark = true end
     redis.call('RPOP', KEYS[1])
     oldest = redis.call('LINDEX', KEYS[1], -1)
   end
+  if oldest then
+    if mark then -- the refresh point left the window: the oldest left becomes it
+      redis.call('LSET', KEYS[1], -1, -oldest)
+      redis.call('PEXPIRE', KEYS[1], 120000)
+      mark = false
+    end
+  else
+    mark = true -- an empty log: the admission pushed now is the refresh point
+  end
   r = rpm - redis.call('LLEN', KEYS[1])
-  if oldest then reset = tonumber(oldest) + 60000 - now end
+  if oldest then reset = oldest + 60000 - now end
 end
 if tpm > 0 then
-  local v = redis.call('HMGET', KEYS[2], 'l', 't')
+  local v = redis.call('HMGET', KEYS[2], 'l', 't', 'e')
   k = tonumber(v[1])
+  e = tonumber(v[3])
   if not k then
     k = tpm
   else
@@ -121,14 +144,22 @@ if conc > 0 then
 end
 if rpm > 0 then
   r = r - 1
-  redis.call('LPUSH', KEYS[1], now)
-  redis.call('PEXPIRE', KEYS[1], 61000)
+  if mark then
+    redis.call('LPUSH', KEYS[1], -now)
+    redis.call('PEXPIRE', KEYS[1], 120000)
+  else
+    redis.call('LPUSH', KEYS[1], now)
+  end
   if reset == 0 then reset = 60000 end
 end
 if tpm > 0 then
   k = k - reserve
-  redis.call('HSET', KEYS[2], 'l', tostring(k), 't', now)
-  redis.call('PEXPIRE', KEYS[2], 120000)
+  if e and e - now >= 120000 then
+    redis.call('HSET', KEYS[2], 'l', tostring(k), 't', now)
+  else
+    redis.call('HSET', KEYS[2], 'l', tostring(k), 't', now, 'e', now + 240000)
+    redis.call('PEXPIRE', KEYS[2], 240000)
+  end
 end
 return {1, '', 0, tostring(r), tostring(k), reset}
 """

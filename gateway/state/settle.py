@@ -24,7 +24,7 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local k, i = 1, 2
 for _ = 1, tonumber(ARGV[1]) do -- tpm buckets: tpm, n, then n amounts to give back (negative: to take), in order
   local tpm, n = tonumber(ARGV[i]), tonumber(ARGV[i + 1])
-  local v = redis.call('HMGET', KEYS[k], 'l', 't')
+  local v = redis.call('HMGET', KEYS[k], 'l', 't', 'e')
   local l = tonumber(v[1])
   if l then
     l = l + (now - tonumber(v[2])) * tpm / 60000
@@ -33,8 +33,13 @@ for _ = 1, tonumber(ARGV[1]) do -- tpm buckets: tpm, n, then n amounts to give b
       l = l + tonumber(ARGV[j])
       if l > tpm then l = tpm end
     end
-    redis.call('HSET', KEYS[k], 'l', tostring(l), 't', now)
-    redis.call('PEXPIRE', KEYS[k], 120000)
+    local e = tonumber(v[3]) -- the bucket's expiry, kept 120 s or more ahead as ADMIT does (redis.py)
+    if e and e - now >= 120000 then
+      redis.call('HSET', KEYS[k], 'l', tostring(l), 't', now)
+    else
+      redis.call('HSET', KEYS[k], 'l', tostring(l), 't', now, 'e', now + 240000)
+      redis.call('PEXPIRE', KEYS[k], 240000)
+    end
   end
   k, i = k + 1, i + 2 + n
 end
