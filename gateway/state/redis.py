@@ -57,7 +57,8 @@ FLUSH_EVERY = 0.005  # seconds: how long settles gather before one pipeline carr
 DOWN_FOR = 1.0  # seconds a failure keeps requests on the local fallback before Redis is tried again
 
 # KEYS: rpm log, tpm bucket, lease set, budget counter
-# ARGV: rpm, tpm, max concurrent, tokens to reserve, lease id, lease ttl (ms), budget
+# ARGV: rpm, tpm, max concurrent, lease ttl (ms), budget, tokens to reserve, lease id (the key's
+# constants first: the gateway packs them once per key, see _admit_head)
 # rpm is a sliding log of the last minute's admissions (exact: never more than rpm in any 60 s), kept
 # as a list of their times, newest pushed at the head: they leave from the tail in the order they came,
 # so expiring one is a pop (each entry popped once), the count is LLEN and the oldest is the tail, all
@@ -78,9 +79,9 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local rpm = tonumber(ARGV[1])
 local tpm = tonumber(ARGV[2])
 local conc = tonumber(ARGV[3])
-local reserve = tonumber(ARGV[4])
-local ttl = tonumber(ARGV[6])
-local budget = tonumber(ARGV[7])
+local ttl = tonumber(ARGV[4])
+local budget = tonumber(ARGV[5])
+local reserve = tonumber(ARGV[6])
 local r = -1
 local k = -1
 local reset = 0
@@ -139,7 +140,7 @@ if conc > 0 then
     held = redis.call('ZCARD', KEYS[3])
   end
   if held >= conc then return {0, 'concurrency', 1000, tostring(r), tostring(k), reset} end
-  redis.call('ZADD', KEYS[3], now + ttl, ARGV[5])
+  redis.call('ZADD', KEYS[3], now + ttl, ARGV[7])
   redis.call('PEXPIRE', KEYS[3], ttl * 2)
 end
 if rpm > 0 then
@@ -239,7 +240,8 @@ class RedisStore(StateStore):
         self._pending: deque[Settle] = deque()
         self.max_pending = MAX_PENDING
         self._dropped_warned = 0.0
-        self._admits: list[tuple[list[bytes], list[Any], asyncio.Future[Any]]] = []
+        self._admits: list[tuple[bytes, asyncio.Future[Any]]] = []  # (packed EVALSHA, its future)
+        self._admit_heads: dict[str, tuple[ApiKeyConfig, str, bytes]] = {}  # key hash -> (key, budget period, packed head)
         self._inflight: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
         self._leases: dict[str, tuple[str, str]] = {}  # lease id -> (lease set key, lease id) held by this process
@@ -430,15 +432,30 @@ class RedisStore(StateStore):
     def _budget_key(self, key: ApiKeyConfig) -> bytes:
         return (self._names(key)[3] + current_period_id(key.budget_period)).encode()
 
+    def _admit_head(self, key: ApiKeyConfig) -> bytes:
+        """The packed start of a key's ADMIT call (its keys and limits), made once per key and budget
+        period: only the reservation and the lease id change from one request to the next."""
+        period = current_period_id(key.budget_period) if key.budget_tokens else ""
+        hit = self._admit_heads.get(key.hash)
+        if hit is not None and hit[0] is key and hit[1] == period:  # an edited key is a new object
+            return hit[2]
+        if len(self._admit_heads) > 100_000:  # bounded, as _names
+            self._admit_heads.clear()
+        r_key, t_key, cc_key, _ = self._names(key)
+        keys = [r_key, t_key, cc_key, self._budget_key(key)]
+        args = [key.rate_limit_rpm or 0, key.rate_limit_tpm or 0, key.max_concurrent or 0, self._lease_ttl_ms, key.budget_tokens or 0]
+        head = self._pack([(self._admit, keys, args)], extra=2)
+        self._admit_heads[key.hash] = (key, period, head)
+        return head
+
     async def _decide(self, key: ApiKeyConfig, reserve: int, lease: str) -> tuple[Decision, bool, int]:
         if not self._down():
-            r_key, t_key, cc_key, _ = self._names(key)
-            keys = [r_key, t_key, cc_key, self._budget_key(key)]
-            args = [key.rate_limit_rpm or 0, key.rate_limit_tpm or 0, key.max_concurrent or 0, reserve, lease,
-                    self._lease_ttl_ms, key.budget_tokens or 0]
+            r = b"%d" % reserve
+            lid = lease.encode()
+            packed = b"%s$%d\r\n%s\r\n$%d\r\n%s\r\n" % (self._admit_head(key), len(r), r, len(lid), lid)
             loop = asyncio.get_running_loop()
             fut: asyncio.Future[Any] = loop.create_future()
-            self._admits.append((keys, args, fut))
+            self._admits.append((packed, fut))
             if len(self._admits) == 1:
                 loop.call_soon(self._send_admits)
             try:
@@ -449,16 +466,17 @@ class RedisStore(StateStore):
                 ok, reason, retry, r, k, reset = res
                 d = Decision(bool(ok), reason.decode() if isinstance(reason, bytes) else reason, int(retry), float(r), float(k), int(reset))
                 if d.ok and lease:
-                    self._leases[lease] = (cc_key, lease)
+                    self._leases[lease] = (self._names(key)[2], lease)
                 return d, True, 1
         share = max(1, self.replicas)
         return self.fallback.admit(key, reserve, lease, share), False, share
 
-    def _pack(self, calls: list[tuple[Any, list[bytes], list[Any]]]) -> bytes:
-        """EVALSHA commands in RESP, packed here: redis-py's general packer costs more than the script."""
+    def _pack(self, calls: list[tuple[Any, list[bytes], list[Any]]], extra: int = 0) -> bytes:
+        """EVALSHA commands in RESP, packed here: redis-py's general packer costs more than the script.
+        ``extra``: arguments the caller appends to each (counted in its header)."""
         buf: list[bytes] = []
         for script, keys, args in calls:
-            buf.append(b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n$%d\r\n%d\r\n" % (3 + len(keys) + len(args), script.sha.encode(), len(str(len(keys))), len(keys)))
+            buf.append(b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n$%d\r\n%d\r\n" % (3 + len(keys) + len(args) + extra, script.sha.encode(), len(str(len(keys))), len(keys)))
             for item in keys:
                 buf += (b"$%d\r\n" % len(item), item, b"\r\n")
             for a in args:
@@ -470,8 +488,12 @@ class RedisStore(StateStore):
         """Run scripts as one batch of EVALSHA commands: one write, one round trip on the pipe. A Redis
         that lost its scripts (restarted) gets them loaded and the batch re-run once. Results may hold
         per-call ``ReplyError``s."""
+        return await self._eval_packed(op, self._pack(calls), len(calls))
+
+    async def _eval_packed(self, op: str, packed: bytes, n: int) -> list[Any]:
+        """``_eval_many`` of ``n`` commands already packed."""
         for attempt in (0, 1):
-            results = await self._call(op, self._send_raw(self._pack(calls), len(calls)))
+            results = await self._call(op, self._send_raw(packed, n))
             if attempt == 0 and any(_noscript(r) for r in results):
                 await self._load_scripts()
                 continue
@@ -496,11 +518,13 @@ class RedisStore(StateStore):
         if not batch:
             return
         settles = settle_calls(self._take_settles()) if self._pending else []
-        calls = [(self._admit, keys, args) for keys, args, _ in batch] + [(self._settle_many, keys, args) for keys, args, _ in settles]
-        fut = self.pipe.request(self._pack(calls), len(calls))
+        packed = b"".join([cmd for cmd, _ in batch])
+        if settles:
+            packed += self._pack([(self._settle_many, keys, args) for keys, args, _ in settles])
+        fut = self.pipe.request(packed, len(batch) + len(settles))
         fut.add_done_callback(lambda f: self._admits_done(batch, settles, f))
 
-    def _admits_done(self, batch: list[tuple[list[bytes], list[Any], asyncio.Future[Any]]],
+    def _admits_done(self, batch: list[tuple[bytes, asyncio.Future[Any]]],
                      settles: list[tuple[list[bytes], list[Any], list[Settle]]], f: asyncio.Future[list[Any]]) -> None:
         exc = f.exception()
         if exc is not None:
@@ -519,13 +543,13 @@ class RedisStore(StateStore):
             return
         self._hand_out(batch, results)
 
-    def _admits_failed(self, batch: list[tuple[list[bytes], list[Any], asyncio.Future[Any]]], exc: BaseException) -> None:
-        for _, _, fut in batch:
+    def _admits_failed(self, batch: list[tuple[bytes, asyncio.Future[Any]]], exc: BaseException) -> None:
+        for _, fut in batch:
             if not fut.done():
                 fut.set_exception(exc)
 
-    def _hand_out(self, batch: list[tuple[list[bytes], list[Any], asyncio.Future[Any]]], results: list[Any]) -> None:
-        for (_, _, fut), res in zip(batch, results):
+    def _hand_out(self, batch: list[tuple[bytes, asyncio.Future[Any]]], results: list[Any]) -> None:
+        for (_, fut), res in zip(batch, results):
             if fut.done():
                 continue
             if isinstance(res, Exception):
@@ -534,9 +558,9 @@ class RedisStore(StateStore):
             else:
                 fut.set_result(res)
 
-    async def _run_admits(self, batch: list[tuple[list[bytes], list[Any], asyncio.Future[Any]]]) -> None:
+    async def _run_admits(self, batch: list[tuple[bytes, asyncio.Future[Any]]]) -> None:
         try:
-            results = await self._eval_many("admit", [(self._admit, keys, args) for keys, args, _ in batch])
+            results = await self._eval_packed("admit", b"".join([cmd for cmd, _ in batch]), len(batch))
         except Exception as exc:
             self._admits_failed(batch, exc)
             return
