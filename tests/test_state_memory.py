@@ -68,6 +68,17 @@ def test_headers_are_in_openais_names_and_formats():
     assert rate_headers(_key(), Decision(True)) == []
 
 
+@pytest.mark.parametrize("ms, text", [
+    (-5, b"0ms"), (0, b"0ms"), (0.2, b"1ms"), (250, b"250ms"), (999.2, b"1000ms"), (1000, b"1s"), (1449, b"1.4s"),
+    (1450, b"1.5s"), (1500, b"1.5s"), (59_949, b"59.9s"), (59_950, b"1m0s"), (60_000, b"1m0s"), (61_250, b"1m1.3s"),
+    (360_000, b"6m0s"), (3_725_000, b"62m5s"),
+])
+def test_reset_durations_are_in_openais_format(ms, text):
+    headers = dict(rate_headers(_key(rate_limit_rpm=1), Decision(True, requests_left=0, requests_reset_ms=ms)))
+    assert headers[b"x-ratelimit-reset-requests"] == text
+    assert dict(rate_headers(_key(rate_limit_rpm=1), Decision(True, requests_reset_ms=ms)))[b"x-ratelimit-reset-requests"] == text  # cached alike
+
+
 def test_the_prompt_estimate_counts_text_of_every_shape():
     assert estimate_prompt_tokens({"messages": [{"role": "user", "content": "x" * 400}]}) == 100 + 8 + 8
     parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "x" * 40}, {"type": "image_url", "image_url": {"url": "data:..."}}]}]}

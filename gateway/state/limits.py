@@ -85,15 +85,23 @@ def period_seconds_left(period: str, now: float | None = None) -> int:
     return 0
 
 
+_DURATIONS: dict[int, bytes] = {}  # tenths of a second -> text: two per admitted request, from a few hundred values
+
+
 def _duration(ms: float) -> bytes:
-    """OpenAI's reset format: 250ms, 1.5s, 6m0s."""
-    ms = max(0.0, ms)
+    """OpenAI's reset format: 250ms, 1.5s, 6m0s (in integer tenths of a second: float rounding and
+    formatting cost more than the rest of the headers)."""
     if ms < 1000:
-        return f"{int(math.ceil(ms))}ms".encode()
-    t = round(ms / 1000, 1)
-    if t < 60:
-        return f"{t:g}s".encode()
-    return f"{int(t // 60)}m{round(t % 60, 1):g}s".encode()
+        return b"%dms" % math.ceil(ms) if ms > 0 else b"0ms"
+    tenths = int(ms + 50) // 100
+    text = _DURATIONS.get(tenths)
+    if text is None:
+        minutes, rest = divmod(tenths, 600)
+        sec, tenth = divmod(rest, 10)
+        text = (b"%dm" % minutes if minutes else b"") + (b"%d.%ds" % (sec, tenth) if tenth else b"%ds" % sec)
+        if len(_DURATIONS) < 100_000:  # bounded: a reset past ~2.7 h is formatted each time
+            _DURATIONS[tenths] = text
+    return text
 
 
 _LIMIT_HEADERS: dict[tuple[int, int], tuple[tuple[bytes, bytes], ...]] = {}
@@ -114,15 +122,15 @@ def rate_headers(key: ApiKeyConfig, d: Decision, share: int = 1) -> list[tuple[b
     if rpm:
         out += (
             fixed[0],
-            (b"x-ratelimit-remaining-requests", b"%d" % max(0, d.requests_left)),
+            (b"x-ratelimit-remaining-requests", b"%d" % d.requests_left if d.requests_left > 0 else b"0"),
             (b"x-ratelimit-reset-requests", _duration(d.requests_reset_ms)),
         )
     if tpm:
         cap = max(1, tpm // share)
-        left = max(0.0, d.tokens_left)
+        left = d.tokens_left if d.tokens_left > 0 else 0.0
         out += (
             fixed[1],
-            (b"x-ratelimit-remaining-tokens", b"%d" % left),
+            (b"x-ratelimit-remaining-tokens", b"%d" % left if left else b"0"),
             (b"x-ratelimit-reset-tokens", _duration((cap - left) * WINDOW_MS / cap)),
         )
     return out

@@ -478,10 +478,11 @@ class RedisStore(StateStore):
         for script, keys, args in calls:
             buf.append(b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n$%d\r\n%d\r\n" % (3 + len(keys) + len(args) + extra, script.sha.encode(), len(str(len(keys))), len(keys)))
             for item in keys:
-                buf += (b"$%d\r\n" % len(item), item, b"\r\n")
-            for a in args:
-                item = _arg(a)
-                buf += (b"$%d\r\n" % len(item), item, b"\r\n")
+                buf.append(b"$%d\r\n%s\r\n" % (len(item), item))
+            for a in args:  # ints and strs, in the main (settle args: ~2 a request)
+                t = a.__class__
+                item = b"%d" % a if t is int else a.encode() if t is str else _arg(a)
+                buf.append(b"$%d\r\n%s\r\n" % (len(item), item))
         return b"".join(buf)
 
     async def _eval_many(self, op: str, calls: list[tuple[Any, list[bytes], list[Any]]]) -> list[Any]:
