@@ -96,10 +96,13 @@ class _Conn(asyncio.Protocol):
         self.peer = peer  # host:port, for the operator's log only
         self.violation: str | None = None
         self.why: str | None = None  # set by a parser callback that refused what it saw
+        self.parser = httptools.HttpResponseParser(self)
         self._reset()
 
     def _reset(self) -> None:
-        self.parser = httptools.HttpResponseParser(self)
+        """State for the next response. The parser is kept: a connection is reused only after a
+        complete keep-alive response, after which llhttp starts the next message afresh (one
+        parser per connection, not one per request)."""
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
         self.chunks: collections.deque[bytes] = collections.deque()

@@ -148,3 +148,53 @@ def test_line_bound_agrees_with_the_two_scan_reference(seed):
         if outcomes[0] is not None:
             fast, ref = LineBound(24), LineBound(24)
         i = j
+
+
+def test_one_connection_carries_streams_and_sized_answers_in_turn():
+    """A kept connection keeps its parser: chunked and sized responses in turn are each parsed whole."""
+    events = b"".join(FRAMES) + USAGE + DONE
+    sized = b'{"ok": 1}'
+    answers = [
+        HEAD + chunked(events) + b"0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(sized), sized),
+        HEAD + chunked(events[:40]) + chunked(events[40:]) + b"0\r\n\r\n",
+        b"HTTP/1.1 204 No Content\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(sized), sized),
+    ]
+
+    async def go():
+        connections = 0
+
+        async def serve(reader, writer):
+            nonlocal connections
+            connections += 1
+            try:
+                for answer in answers:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                    await reader.readexactly(int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0]))
+                    writer.write(answer)
+                    await writer.drain()
+                await reader.read()
+            finally:
+                writer.close()
+
+        srv = await asyncio.start_server(serve, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}/v1/chat/completions"
+        up = NativeUpstream(TimeoutsConfig(first_byte=5, idle=5))
+        got = []
+        try:
+            for _ in answers:
+                r = await up.open(url, b"{}", [])
+                try:
+                    got.append((r.status, await up.read_all(r)))
+                finally:
+                    await r.aclose()
+        finally:
+            await up.aclose()
+            srv.close()
+            await srv.wait_closed()
+        return got, connections
+
+    got, connections = asyncio.run(go())
+    assert got == [(200, events), (200, sized), (200, events), (204, b""), (200, sized)]
+    assert connections == 1
