@@ -83,11 +83,12 @@ class _Conn(asyncio.Protocol):
     __slots__ = (
         "transport", "parser", "status", "headers", "chunks", "buffered", "done", "lost",
         "waiter", "head_waiter", "keep_alive", "idle_since", "_paused", "_header_name",
-        "violation", "head_bytes", "head_complete", "max_header_bytes", "max_headers", "peer", "why", "header_size",
+        "violation", "head_bytes", "head_complete", "max_header_bytes", "max_headers", "peer", "why", "header_size", "loop",
     )
 
     def __init__(self, max_header_bytes: int = MAX_HEADER_BYTES, max_headers: int = MAX_HEADERS, peer: str = "") -> None:
         self.transport: asyncio.Transport | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
         self.lost = False
         self.idle_since = 0.0
         self.max_header_bytes = max_header_bytes
@@ -95,10 +96,13 @@ class _Conn(asyncio.Protocol):
         self.peer = peer  # host:port, for the operator's log only
         self.violation: str | None = None
         self.why: str | None = None  # set by a parser callback that refused what it saw
+        self.parser = httptools.HttpResponseParser(self)
         self._reset()
 
     def _reset(self) -> None:
-        self.parser = httptools.HttpResponseParser(self)
+        """State for the next response. The parser is kept: a connection is reused only after a
+        complete keep-alive response, after which llhttp starts the next message afresh (one
+        parser per connection, not one per request)."""
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
         self.chunks: collections.deque[bytes] = collections.deque()
@@ -116,6 +120,8 @@ class _Conn(asyncio.Protocol):
     # -- asyncio.Protocol ---------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        # Kept here: asyncio.get_running_loop() costs a getpid() syscall per call on Python < 3.12.
+        self.loop = asyncio.get_running_loop()
         nodelay(transport)  # the request goes out in one write; its bytes must not wait for an ACK
 
     def data_received(self, data: bytes) -> None:
@@ -234,6 +240,10 @@ class H1Response:
                 return
             yield data
 
+    def buffered(self) -> bytes | None:
+        """Body bytes already received, without waiting (None when there are none right now)."""
+        return self._conn.take()
+
     async def next_chunk(self, timeout: float | None = None) -> bytes | None:
         """The body bytes buffered so far, waiting up to ``timeout`` seconds for some if there are
         none; None at the end of the body. Raises Timeout, InvalidResponse or ConnectionLost."""
@@ -248,7 +258,7 @@ class H1Response:
                 raise InvalidResponse(conn.violation)
             if conn.lost:
                 raise ConnectionLost()
-            loop = asyncio.get_running_loop()
+            loop = conn.loop or asyncio.get_running_loop()
             waiter = conn.waiter = loop.create_future()
             timer = loop.call_later(timeout, _expire, waiter) if timeout is not None else None
             try:
@@ -329,9 +339,9 @@ class H1Pool:
     async def request(self, head: bytes, body: bytes, first_byte: float | None = None) -> H1Response:
         """Send one request; return when the response head has arrived. ``first_byte``: seconds for
         all of it, a new connection included (Timeout past them)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + first_byte if first_byte is not None else None
         conn = self._reuse()
+        loop = conn.loop if conn is not None and conn.loop is not None else asyncio.get_running_loop()
+        deadline = loop.time() + first_byte if first_byte is not None else None
         if conn is None:
             if first_byte is None:
                 conn = await self._connect()

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import re
-import secrets
 import time
 from typing import Any, Awaitable, Callable
 
@@ -45,6 +45,12 @@ __all__ = ["Listener", "Receive", "Scope", "Send", "refuse", "send_json"]
 
 _REQUEST_ID = re.compile(rb"^[A-Za-z0-9._\-]{1,64}$")
 WATCH_AFTER = 0.02  # seconds before a request starts watching for its client to go away
+
+
+def _new_request_id() -> str:
+    """16 hex digits. A correlation id, not a secret: the process's PRNG (reseeded in each forked
+    worker) instead of secrets.token_hex, which costs a getrandom() syscall per request."""
+    return "%016x" % random.getrandbits(64)
 
 
 _STATUS_CLASS = {1: "1xx", 2: "2xx", 3: "3xx", 4: "4xx", 5: "5xx"}
@@ -159,13 +165,13 @@ class Listener:
                 return
         ctx = self._context(scope)
         if isinstance(ctx, Refusal):
-            rid = secrets.token_hex(8)
+            rid = _new_request_id()
             await refuse(_Answer(send, self._answer_headers(rid, "openai", origin)), ctx, "openai")
             status, kind, reason = ctx.status, "unrouted", ctx.reason
             ctx = None
         else:
             given = ctx.headers.get(b"x-request-id")
-            rid = ctx.request_id = given.decode() if given is not None and _REQUEST_ID.match(given) else secrets.token_hex(8)
+            rid = ctx.request_id = given.decode() if given is not None and _REQUEST_ID.match(given) else _new_request_id()
             if self.tracer is not None:
                 ctx.span = self.tracer.start(scope["method"], ctx.route.path, ctx.headers)
             status = await self._run(ctx, receive, _Answer(send, self._answer_headers(ctx.request_id, ctx.style, origin)))
@@ -339,7 +345,9 @@ class Listener:
         if ctx.admission is not None and ctx.admission.headers:
             send.extra = [*ctx.admission.headers, *send.extra]  # the limits' headers, on every answer from here on
         gone = False
-        task = asyncio.current_task()
+        # The loop is passed on: each get_running_loop() is a getpid() syscall on Python < 3.12.
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task(loop)
 
         async def reply(refusal: Refusal) -> None:
             await self._refuse(ctx, send, refusal)
@@ -357,7 +365,6 @@ class Listener:
 
         # Watching for the disconnect costs a task; a request that is over within WATCH_AFTER never
         # needs it, so the watcher starts only then (a timer handle is far cheaper than a task).
-        loop = asyncio.get_running_loop()
         watcher: list[asyncio.Task[None]] = []
         timer = loop.call_later(WATCH_AFTER, lambda: watcher.append(loop.create_task(watch())))
         try:
@@ -403,9 +410,10 @@ class _Answer:
         self.extra = extra
         self.done = False
 
-    async def __call__(self, message: dict[str, Any]) -> None:
+    def __call__(self, message: dict[str, Any]) -> Awaitable[None]:
+        # Not a coroutine itself: it hands back the server's send, one coroutine per message, not two.
         if message["type"] == "http.response.start":
             message["headers"] = [*message["headers"], *self.extra]
         elif not message.get("more_body", False):
             self.done = True
-        await self.send(message)
+        return self.send(message)

@@ -122,7 +122,10 @@ class LineBound:
     def check(self, chunk: bytes) -> None:
         nl = chunk.rfind(b"\n")
         self.line = self.line + len(chunk) if nl < 0 else len(chunk) - nl - 1
-        end = max(chunk.rfind(b"\n\n"), chunk.rfind(b"\n\r\n"))
+        # The last blank line: a "\n\r\n" can only be the last one if it lies after the last
+        # "\n\n", so only that tail is searched for it (one scan of the chunk, not two).
+        end = chunk.rfind(b"\n\n")
+        end = max(end, chunk.rfind(b"\n\r\n", end + 1))
         if end >= 0:
             self.event = len(chunk) - end - 2
         elif self.tail == b"\n" and (chunk.startswith(b"\n") or chunk.startswith(b"\r\n")):
@@ -370,9 +373,13 @@ class NativeUpstream(Upstream):
         idle = self.timeouts.idle
         try:
             while True:
-                chunk = await resp.next_chunk(limit)
+                # Bytes already here (a stream's frames usually arrive with its head, or several in
+                # one read) are taken without a coroutine and a wait: the deadline is for waiting.
+                chunk = resp.buffered()
                 if chunk is None:
-                    return
+                    chunk = await resp.next_chunk(limit)
+                    if chunk is None:
+                        return
                 limit, phase = idle, "idle"
                 if bound is not None:
                     bound.check(chunk)
