@@ -292,6 +292,7 @@ class Admission:
         """Bind req to a backend now, or queue it (a ``Waiter``), or refuse it."""
         now = self.clock()
         q = self._queue(req.model)
+        req.priority = priority
         if priority >= DEFAULT_PRIORITY:
             self.top_seen[req.model] = now
         candidates = self.eligible(req.model)
