@@ -197,6 +197,26 @@ def test_others_weight_adds_the_delay_the_request_causes_its_batch_mates(weight)
     assert lat == pytest.approx(own + weight * (SIGMA0 * GAMMA0 * 120 + stall))
 
 
+@pytest.mark.parametrize("mine, theirs, counted", [(10, 0, False), (0, 0, True), (0, 10, True), (None, 0, True)])
+def test_others_weight_leaves_out_sequences_of_a_lower_class_than_the_request(mine, theirs, counted):
+    # An interactive request is not kept off a backend to spare a batch key's sequences there (the
+    # queue's priorities say whose latency counts); a batch request still weighs what it costs the
+    # interactive ones, and a request of unknown class (no queue) weighs everyone, as before.
+    bal = mel(others_weight=1.0)
+    (a,) = backends("a")
+    for _ in range(3):
+        r = req(prompt=1, out=40, stream=True)
+        r.priority = theirs
+        bal.dispatched(a, r)
+        bal.first_byte(a, r, 0.0)
+    r = req(prompt=1, out=100)
+    r.priority = mine
+    lat, _ = bal.explain([a], r)["a"]
+    own = bal.rho * SIGMA0 + SIGMA0 * (1 + GAMMA0) * 100 + SIGMA0 * GAMMA0 * 120
+    others = SIGMA0 * GAMMA0 * 120 + bal.rho * SIGMA0 * 1 * 3
+    assert lat == pytest.approx(own + (others if counted else 0.0))
+
+
 def test_others_weight_counts_the_queue_a_full_batch_builds():
     bal = mel(others_weight=1.0)
     (a,) = backends("a")

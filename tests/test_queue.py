@@ -221,6 +221,8 @@ def test_priority_classes_and_waits_are_configured_by_name_or_number():
         ({"balancer": {"objective": "fastest"}}, "balancer.objective: 'fastest' is not a valid choice; choose one of: e2e_plus_ttft, e2e_within_ttft, e2e, ttft"),
         ({"balancer": {"policy": "round_robin", "queue": {"enabled": True}}}, "balancer.queue.enabled: the gateway queue needs a policy that predicts waits"),
         ({"balancer": {"queue": {"holdwait": 1}}}, "balancer.queue.holdwait: unknown field (did you mean 'hold_wait'?)"),
+        ({"balancer": {"queue": {"keep_share": -1}}}, "balancer.queue.keep_share: "),
+        ({"balancer": {"queue": {"keep_share": "most"}}}, "balancer.queue.keep_share: "),
     ],
 )
 def test_bad_queue_config_is_refused_with_a_clear_message(section, message):
@@ -366,6 +368,49 @@ def test_lower_classes_leave_reserved_slots_free_while_interactive_requests_come
     assert isinstance(adm.admit(req(), "ui", INTERACTIVE), Backend)  # interactive may use the reserve
     clock.t += 31.0  # no interactive request for longer than the reserve is kept
     assert adm.drain("m") == [held]
+
+
+def interactive_traffic_on(adm: Admission, bal, members: list[Backend], backend: Backend, n: int) -> None:
+    """n interactive requests bound (only ``backend`` eligible meanwhile) and finished at once."""
+    saved = list(members)
+    members[:] = [backend]
+    for _ in range(n):
+        r = req()
+        assert adm.admit(r, "ui", INTERACTIVE) is backend
+        bal.completed(backend, r, Outcome(status=200, ok=True, completion_tokens=10))
+    members[:] = saved
+
+
+@pytest.mark.parametrize("keep_share, kept", [(1.5, True), (0.0, False)])
+def test_lower_classes_keep_off_the_backend_that_takes_most_interactive_requests(keep_share, kept):
+    clock = Clock()
+    members = backends("fast", "slow")
+    fast, slow = members
+    bal = make_balancer("min_expected_latency", BalancerConfig(slow_start=0.0, slots=32), clock=clock, rng=random.Random(0))
+    adm = Admission(QueueConfig(reserve=0.5, keep_share=keep_share), bal, lambda model: members, clock)
+    interactive_traffic_on(adm, bal, members, fast, 20)  # all of them: more than 1.5 x an even share (50 %)
+    got = [adm.admit(req(), "bulk", BATCH) for _ in range(6)]
+    assert all(isinstance(b, Backend) for b in got)
+    # Kept: every batch request goes to the backend interactive requests rarely use; without the
+    # rule the policy spreads them over both (its slots and steps are the interactive requests').
+    assert (fast in got) is not kept, [b.id for b in got]
+    clock.t += 31.0  # no interactive request lately: every backend takes batch work again
+    assert not adm.reserving("m", BATCH) and adm.room(members, req(), BATCH) == members
+
+
+def test_an_even_share_of_interactive_requests_keeps_no_backend_and_one_backend_is_never_kept():
+    clock = Clock()
+    members = backends("a", "b")
+    a, b = members
+    bal = make_balancer("min_expected_latency", BalancerConfig(slow_start=0.0, slots=32), clock=clock, rng=random.Random(0))
+    adm = Admission(QueueConfig(keep_share=1.5), bal, lambda model: members, clock)
+    interactive_traffic_on(adm, bal, members, a, 10)
+    interactive_traffic_on(adm, bal, members, b, 10)
+    assert adm.kept("m", members) == set()  # 50 % each: not above 1.5 x 50 %
+    interactive_traffic_on(adm, bal, members, a, 40)
+    assert adm.kept("m", members) == {"a"}  # 50 of the last 60: 83 % > 75 %
+    assert adm.kept("m", [a]) == set()  # the only backend left takes batch work: never all kept
+    assert isinstance(adm.admit(req(), "bulk", BATCH), Backend)
 
 
 def test_other_replicas_in_flight_from_the_shared_state_take_slots_too():

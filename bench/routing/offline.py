@@ -387,7 +387,8 @@ def replay(policy: str, speeds: list[float], trace, params: SimParams, cfg: Bala
     for key in {it.key for it in trace.items}:
         mine = sorted(results[i][1] for i in range(skip, len(trace.items)) if i in results and trace.items[i].key == key)
         by_key[key] = {"ttft_p99": _p99(mine), "lat_p99": _p99(sorted(results[i][0] for i in range(skip, len(trace.items)) if i in results and trace.items[i].key == key)),
-                       "refused": sum(1 for i in range(skip, len(trace.items)) if i in refused and trace.items[i].key == key)}
+                       "refused": sum(1 for i in range(skip, len(trace.items)) if i in refused and trace.items[i].key == key),
+                       "done": sum(1 for i, (lat, _) in results.items() if trace.items[i].key == key and trace.items[i].at + lat <= trace.duration)}  # the key's throughput
     return {
         "by_key": by_key,
         "policy": spec,
@@ -440,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
                         a = replay(policy, speeds, alone, params, cfg, seed)["by_key"]["ui"]
                         f = replay(policy, speeds, flood, params, cfg, seed)["by_key"]
                         print(f"  {policy:<44} ui ttft p99 {a['ttft_p99']:.3f} -> {f['ui']['ttft_p99']:.3f} ({100 * (f['ui']['ttft_p99'] / a['ttft_p99'] - 1):+.0f}%)"
-                              f"  ui lat p99 {a['lat_p99']:.2f} -> {f['ui']['lat_p99']:.2f}  ui shed {f['ui']['refused']}  bulk shed {f['bulk']['refused']}  bulk lat p99 {f['bulk']['lat_p99']:.2f}")
+                              f"  ui lat p99 {a['lat_p99']:.2f} -> {f['ui']['lat_p99']:.2f}  ui shed {f['ui']['refused']}  bulk shed {f['bulk']['refused']}  bulk lat p99 {f['bulk']['lat_p99']:.2f}  bulk done {f['bulk']['done']}")
         return 0
     for fleet in args.fleets.split(","):
         speeds = FLEETS[fleet]

@@ -59,6 +59,10 @@ SHED_MARGIN = 0.6
 LOW_PREFILL_AHEAD = 0.05
 # How long after the last interactive request lower classes keep leaving ``reserve`` free.
 RESERVE_FOR = 30.0
+# The interactive binds per model whose backends give each backend's share (``keep_share``), and
+# how many must be seen before a share counts.
+SHARE_WINDOW = 64
+SHARE_MIN = 16
 
 
 @dataclass(slots=True, eq=False)
@@ -210,6 +214,7 @@ class Admission:
         self.models: dict[str, ModelQueue] = {}
         self.displaced: list[Waiter] = []  # refused by ``admit`` to make room: their waiters must be told
         self.top_seen: dict[str, float] = {}  # by model: when an interactive (or higher) request last arrived
+        self.top_binds: dict[str, deque[str]] = {}  # by model: the backends of the last SHARE_WINDOW interactive binds
 
     # -- capacity --------------------------------------------------------------------------------
     def predicted_room(self, candidates: Sequence[Backend], req: RequestInfo, priority: int) -> Sequence[Backend]:
@@ -223,6 +228,9 @@ class Admission:
         if self.reserving(req.model, priority):
             # While interactive requests come, it must not slow their steps nor queue its prefill
             # in front of theirs.
+            kept = self.kept(req.model, candidates)
+            if kept:
+                candidates = [b for b in candidates if b.id not in kept]
             preds = self.balancer.predict(candidates, req)
             reserve = self.config.reserve
             fit = [b for b, p in zip(candidates, preds)
@@ -245,9 +253,32 @@ class Admission:
         interactive requests for the model came lately."""
         return priority < DEFAULT_PRIORITY and self.clock() - self.top_seen.get(model, -1e18) < RESERVE_FOR
 
-    def _bind(self, candidates: Sequence[Backend], req: RequestInfo) -> Backend:
+    def kept(self, model: str, candidates: Sequence[Backend]) -> set[str]:
+        """The backends kept for interactive requests: each took more than ``keep_share`` times an
+        even share (1/N of the candidates) of the model's recent interactive binds. The policy sends
+        most interactive requests to the backend that starts them soonest (on a mixed fleet, the
+        fastest); there every batch sequence slows the steps of most interactive requests and every
+        batch prefill stalls them, while on a backend they rarely use the same work delays few.
+        Never every candidate: one that only shares the traffic evenly is not kept."""
+        k = self.config.keep_share
+        binds = self.top_binds.get(model)
+        if not k or binds is None or len(binds) < SHARE_MIN or len(candidates) < 2:
+            return set()
+        limit = k * len(binds) / len(candidates)
+        counts: dict[str, int] = {}
+        for bid in binds:
+            counts[bid] = counts.get(bid, 0) + 1
+        kept = {b.id for b in candidates if counts.get(b.id, 0) > limit}
+        return kept if len(kept) < len(candidates) else set()
+
+    def _bind(self, candidates: Sequence[Backend], req: RequestInfo, priority: int) -> Backend:
         b = self.balancer.pick(candidates, req)
         self.balancer.dispatched(b, req)
+        if priority >= DEFAULT_PRIORITY:
+            binds = self.top_binds.get(req.model)
+            if binds is None:
+                binds = self.top_binds[req.model] = deque(maxlen=SHARE_WINDOW)
+            binds.append(b.id)
         return b
 
     def _queue(self, model: str) -> ModelQueue:
@@ -261,13 +292,14 @@ class Admission:
         """Bind req to a backend now, or queue it (a ``Waiter``), or refuse it."""
         now = self.clock()
         q = self._queue(req.model)
+        req.priority = priority
         if priority >= DEFAULT_PRIORITY:
             self.top_seen[req.model] = now
         candidates = self.eligible(req.model)
         if not q.waiting_at_or_above(priority):
             fit = self.room(candidates, req, priority)
             if fit:
-                return self._bind(fit, req)
+                return self._bind(fit, req, priority)
         limit = self.config.wait_limit(priority)
         cls = q.cls(priority)
         rate = q.rate(now)
@@ -340,7 +372,7 @@ class Admission:
             if not fit:
                 cls.unpop(w)
                 break
-            w.backend = self._bind(fit, w.req)
+            w.backend = self._bind(fit, w.req, w.priority)
             metrics.QUEUE_WAIT.labels(priority=priority_name(w.priority)).observe(self.clock() - w.enqueued_at)
             bound.append(w)
         return bound

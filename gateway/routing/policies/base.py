@@ -35,6 +35,7 @@ class RequestInfo:
     prompt_tokens: int = 0  # estimated from the body
     max_tokens: int | None = None  # what the client asked for, if it did
     prefix_keys: tuple[int, ...] = ()  # hashes of the prompt's leading blocks, for prefix affinity
+    priority: int | None = None  # its key's priority class, set by the gateway queue; None: not known
     # Set by the policy for the current attempt.
     out_tokens: float = field(default=0.0, init=False, repr=False)  # expected completion tokens
     uncached: float = field(default=0.0, init=False, repr=False)  # expected prompt tokens the backend must prefill

@@ -107,6 +107,9 @@ class ExpectedLatencyBalancer(Balancer):
       the mean queue of a server busy u of the time). It keeps the fastest backend from filling up
       with long requests, which slowed every step there (bench/routing/README.md, ``slots=32``, 8
       seeds of the replay, heterogeneous fleet: median 2.181 -> 2.125 s, p99 17.7 -> 17.3 s).
+      Sequences of a class below r's (the gateway queue sets each request's ``priority``) are left
+      out of the slowdown and prefill stall r causes: an interactive request is not kept off a
+      backend to spare a batch flood there (bench/routing/README.md, mixed priority).
       q_b = how many would queue behind a full batch, r included. U_b(r) = r's uncached prompt
       tokens on b: its prefill runs inside one step of the whole batch, so each of the n_b sequences
       decoding there (at most slots_b) waits for it. This is what a prefix-cache hit saves the others,
@@ -302,12 +305,20 @@ class ExpectedLatencyBalancer(Balancer):
             u = min(self.MAX_LOAD, (len(rems) + ext + 1) / m.slots)
             others *= 1.0 + self.config.others_load * u / (1.0 - u)
         if others:
+            o_shared, o_n = shared, n
+            if req.priority is not None:
+                # Only the others of r's class or above count: a lower class's sequences (a batch
+                # flood) do not push an interactive request onto fewer backends to spare them.
+                low = [min(rem, d) for j, (rem, _) in zip(m.inflight.values(), rems) if j.priority is not None and j.priority < req.priority]
+                if low:
+                    o_shared -= sum(low)
+                    o_n = max(0.0, n - len(low))
             # What r costs the requests already there: σγ more per step they share, and, when the
             # batch is full, its decode time spread over the slots for each one queued behind it.
-            lat += others * sigma * g * shared
+            lat += others * sigma * g * o_shared
             # r's prefill runs inside a step of the whole batch: every sequence decoding there waits
             # for it. A prefix-cache hit is worth this much to the others, not just to r.
-            lat += others * rho * sigma * uncached * min(n, m.slots or n)
+            lat += others * rho * sigma * uncached * min(o_n, m.slots or o_n)
             behind = len(rems) + 1 - m.slots if m.slots is not None else 0
             if behind > 0:
                 lat += others * behind * d * step / m.slots
