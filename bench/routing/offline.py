@@ -15,6 +15,7 @@ import argparse
 import bisect
 import dataclasses
 import heapq
+import json
 import itertools
 import random
 import statistics
@@ -85,6 +86,11 @@ class Engine:
         self.on_token, self.on_done = on_token, on_done
         self.prompt_tokens = self.cached_tokens = self.generated = 0
         self.gauges = (0, 0, 0.0)
+        self.steps = self.admitted = 0
+        self.step_s = self.queue_wait_s = 0.0  # the socket bench's --verbose prints the sims' own
+
+    def __repr__(self) -> str:
+        return f"{self.step_s:.1f} ({self.steps}) {self.queue_wait_s / max(1, self.admitted):.3f}"
 
     def submit(self, s: Seq) -> None:
         self.pending += 1
@@ -107,6 +113,8 @@ class Engine:
             if self.running and self.kv + s.tokens + s.out > self.p.kv_capacity_tokens:
                 break
             self.waiting.pop(0)
+            self.admitted += 1
+            self.queue_wait_s += self.loop.now - s.sent - self.p.ttft / self.speed
             s.cached = min(self.cache.match(s.blocks) * self.p.block_tokens, s.tokens - 1)
             self.kv += s.tokens + s.out
             self.running.append(s)
@@ -121,6 +129,8 @@ class Engine:
         p = self.p
         uncached = sum(s.tokens - s.cached for s in admitted)
         step = (uncached / p.prefill_tokens_per_s + p.tpot * (1 + len(self.running) * p.batch_slowdown)) / self.speed
+        self.steps += 1
+        self.step_s += step
         self.loop.at(self.loop.now + step, self._advance, admitted)
 
     def _advance(self, admitted: list[Seq]) -> None:
@@ -230,6 +240,7 @@ def replay(policy: str, speeds: list[float], trace, params: SimParams, cfg: Bala
     fleets = [[Backend(id=f"b{i}", url="", models=frozenset({"m"}), healthy=True, returned_at=0.0) for i in range(len(speeds))]
               for _ in range(n)]
     results: dict[int, tuple[float, float]] = {}
+    served: dict[int, tuple[int, int, int, int]] = {}  # index: (engine, cached tokens, prompt tokens, output tokens)
     refused: dict[int, tuple[float, int]] = {}  # index: (seconds to the refusal, status)
     arrived: dict[int, float] = {}
     owner: dict[int, int] = {}  # request index: its replica
@@ -247,6 +258,7 @@ def replay(policy: str, speeds: list[float], trace, params: SimParams, cfg: Bala
                                             prompt_tokens=s.tokens, completion_tokens=s.out, cached_tokens=s.cached))
         t0 = arrived.pop(s.index)
         results[s.index] = (loop.now - t0, s.first - t0)
+        served[s.index] = (engines.index(engine), s.cached, s.tokens, s.out)
         changed(r)
         if adms[r] is not None:
             adms[r].completed("m")
@@ -402,7 +414,21 @@ def replay(policy: str, speeds: list[float], trace, params: SimParams, cfg: Bala
         "refusal_p99": shed[min(len(shed) - 1, int(0.99 * (len(shed) - 1) + 0.5))] if shed else 0.0,
         "hit_rate": sum(e.cached_tokens for e in engines) / prompt if prompt else 0.0,
         "share": "/".join(f"{100 * e.prompt_tokens / prompt:.0f}" for e in engines) if prompt else "",
+        "engines": "  ".join(map(repr, engines)),
+        "learnt": _learnt(bals[0], fleets[0]),
+        "requests": [{"i": i, "backend": served[i][0], "latency": results[i][0], "ttft": results[i][1], "cached": served[i][1],
+                      "prompt": served[i][2], "out": served[i][3]} for i in sorted(results)],
     }
+
+
+def _learnt(bal: Balancer, backends: list[Backend]) -> str:
+    """What an expected-latency balancer learnt (as the socket bench's --verbose state shows it)."""
+    if not hasattr(bal, "gamma"):
+        return ""
+    fleet = bal.fleet_sigma(backends)
+    sigma = "/".join(f"{bal.sigma(b, fleet):.4f}" for b in backends)
+    slots = "/".join(str(bal.models(b).slots) for b in backends)
+    return f"gamma {bal.gamma:.4f} rho {bal.rho:.4f} sigma {sigma} slots {slots} affinity picks {bal.affinity_picks}/{bal.picks}"
 
 
 PRIORITIES = {"ui": PRIORITY_NAMES["interactive"], "bulk": PRIORITY_NAMES["batch"]}  # the mixed run's keys
@@ -424,6 +450,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replicas", type=int, default=1, help="gateways sharing the fleet, requests alternated (the replicas scenario)")
     ap.add_argument("--load-interval", type=float, default=StateConfig.load_interval, help="with --replicas: seconds between load exchanges")
     ap.add_argument("--push-gap", type=float, default=0.0, help="with --replicas: also publish a replica's load this soon after it changes")
+    ap.add_argument("--dump", type=Path, default=None, help="write each run's per-request backend, latency, TTFT, cached tokens into this folder")
+    ap.add_argument("--verbose", action="store_true", help="per backend: step seconds, steps, mean queue wait for a slot")
     ap.add_argument("--mixed", action="store_true", help="interactive short requests (key ui) at --loads, alone and with a batch flood (key bulk) at 100%%")
     args = ap.parse_args(argv)
     params = SimParams()
@@ -455,10 +483,15 @@ def main(argv: list[str] | None = None) -> int:
                 for policy in args.policies.split(","):
                     r = replay(policy, speeds, trace, params, cfg, seed, replicas=args.replicas, interval=args.load_interval, push_gap=args.push_gap)
                     runs.setdefault(policy, []).append(r)
+                    if args.dump is not None:
+                        args.dump.mkdir(parents=True, exist_ok=True)
+                        (args.dump / f"replay-{fleet}-{load:g}-{seed}-{policy.replace(':', '_')}.json").write_text(json.dumps(r["requests"]))
                     base = base or r
                     print(f"  {policy:<36} lat mean {r['lat_mean']:6.2f} p50 {r['lat_p50']:6.2f} p99 {r['lat_p99']:6.2f} "
                           f"({100 * (r['lat_p99'] / base['lat_p99'] - 1):+4.0f}%)  ttft mean {r['ttft_mean']:.3f} p50 {r['ttft_p50']:.3f} "
                           f"p99 {r['ttft_p99']:.3f}  hit {r['hit_rate']:.1%}  refused {r['refused']} (p99 {r['refusal_p99']:.2f}s)  prompt share {r['share']}")
+                    if args.verbose:
+                        print(f"    per backend: step s (steps) mean queue wait s: {r['engines']}; {r['learnt']}")
             if args.mean:
                 print(f"\n{fleet} {load:.0%}, mean over seeds {args.seeds}:")
                 print(f"  {'policy':<44} lat mean  lat p50  lat p99  ttft mean  ttft p99    hit")

@@ -83,6 +83,8 @@ def fleet_row(sims, before: list[dict], results, wall: float, warmup: float, pol
     _wait_idle(sims)
     after = [s.stats() for s in sims]
     row = summarize(results, wall, warmup=int(len(results) * warmup))
+    every = summarize(results, wall, warmup=0)
+    row["all_lat_mean"], row["all_ttft_mean"] = every["lat_mean"], every["ttft_mean"]
     prompt = sum(a["prompt_tokens"] - b["prompt_tokens"] for a, b in zip(after, before))
     cached = sum(a["cached_tokens"] - b["cached_tokens"] for a, b in zip(after, before))
     row["hit_rate"] = cached / prompt if prompt else 0.0
@@ -90,6 +92,9 @@ def fleet_row(sims, before: list[dict], results, wall: float, warmup: float, pol
     total = sum(submitted) or 1
     row["share"] = "/".join(f"{100 * x / total:.0f}" for x in submitted)
     row["policy"] = policy
+    # Per backend: the engine's real step seconds over its modelled ones, and the mean queue wait
+    # for a slot (what --verbose prints beside the replay's figures).
+    row["engines"] = [{k: a[k] - b[k] for k in ("step_model_s", "step_real_s", "queue_wait_s", "admitted", "steps", "completed", "latency_s", "first_token_s")} for a, b in zip(after, before)]
     return row
 
 
@@ -102,11 +107,31 @@ def _wait_idle(sims: list[SimProc], timeout: float = 60.0) -> None:
     raise TimeoutError("backends still busy after the previous run")
 
 
+def dump_requests(path: Path, policy: str, sims: list[SimProc], trace, results) -> None:
+    """Per request of the trace: the backend that served it (from the sims' request logs, matched
+    by the messages), latency, TTFT and cached tokens as the client saw them; to set beside the
+    replay's ``--dump`` of the same trace."""
+    where: dict[bytes, int] = {}
+    for b, s in enumerate(sims):
+        for e in s.http.get("/_sim/requests", timeout=30).json():
+            if e["path"].endswith("/chat/completions") and e["body"]:
+                where[_key(e["body"])] = b
+    rows = [{"i": r.index, "backend": where.get(_key(trace.items[r.index].body), -1), "latency": r.latency, "ttft": r.ttft,
+             "cached": r.cached_tokens, "prompt": r.prompt_tokens, "out": r.completion_tokens} for r in results]
+    path.mkdir(parents=True, exist_ok=True)
+    (path / f"socket-{policy.replace(':', '_')}.json").write_text(json.dumps(rows))
+
+
+def _key(body: dict) -> bytes:
+    return json.dumps([body.get("messages"), body.get("max_tokens")], sort_keys=True).encode()
+
+
 def run_one(workdir: Path, policy: str, sims: list[SimProc], trace, warmup: float, balancer: dict, verbose: bool = False,
-            keys: dict | None = None) -> dict:
+            keys: dict | None = None, dump: Path | None = None) -> dict:
     _wait_idle(sims)
     for s in sims:
         s.control(clear_cache=True)
+        s.http.delete("/_sim/requests")
     before = [s.stats() for s in sims]
     gw = start_router(workdir, policy, sims, balancer, keys)
     secrets = {n: k for n, (k, _) in (keys or {}).items()}
@@ -117,6 +142,8 @@ def run_one(workdir: Path, policy: str, sims: list[SimProc], trace, warmup: floa
     if gw.state_path.exists():
         print(f"  [{policy}] balancer state: {gw.state_path.read_text()}" if verbose else "", end="")
     row = fleet_row(sims, before, results, wall, warmup, policy)
+    if dump is not None:
+        dump_requests(dump, policy, sims, trace, results)
     if keys:
         for name in keys:
             mine = [r for r in results if r.key == name]
@@ -194,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=float, default=0.1, help="share of the first requests left out of the figures")
     p.add_argument("--verbose", action="store_true", help="print each balancer's learnt state after its run")
     p.add_argument("--json", type=Path, default=None, help="also write every row here")
+    p.add_argument("--dump", type=Path, default=None, help="write each run's per-request backend, latency, TTFT, cached tokens into this folder")
     p.add_argument("--mixed", action="store_true",
                    help="mixed-priority run instead: interactive short requests (key ui) at --loads, alone and with a batch flood (key bulk) at 100%% load")
     args = p.parse_args(argv)
@@ -226,8 +254,15 @@ def main(argv: list[str] | None = None) -> int:
                     trace = make_trace(args.seed, rate=load * capacity, duration=duration, model=MODEL, shared_share=args.shared)
                     rows = []
                     for policy in policies:
-                        row = run_one(workdir, policy, sims, trace, args.warmup, balancer, args.verbose)
+                        row = run_one(workdir, policy, sims, trace, args.warmup, balancer, args.verbose, dump=args.dump)
                         row.update(fleet=fleet, load=load)
+                        if args.verbose:
+                            print(f"  [{policy}] per backend: real/model step s, steps, mean queue wait s: " + "  ".join(
+                                f"{e['step_real_s']:.1f}/{e['step_model_s']:.1f} ({e['steps']}) {e['queue_wait_s'] / max(1, e['admitted']):.3f}" for e in row["engines"]), flush=True)
+                            done = sum(e["completed"] for e in row["engines"]) or 1
+                            sim_lat, sim_ttft = sum(e["latency_s"] for e in row["engines"]) / done, sum(e["first_token_s"] for e in row["engines"]) / done
+                            print(f"  [{policy}] every request, mean: latency {row['all_lat_mean']:.3f} s at the client, {sim_lat:.3f} in the sims "
+                                  f"(relay {row['all_lat_mean'] - sim_lat:+.3f}); first token {row['all_ttft_mean']:.3f} / {sim_ttft:.3f} ({row['all_ttft_mean'] - sim_ttft:+.3f})", flush=True)
                         rows.append(row)
                         all_rows.append(row)
                     title = (f"{fleet} fleet (speeds {'/'.join(f'{s:g}' for s in speeds)}), {load:.0%} load: "

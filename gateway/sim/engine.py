@@ -75,6 +75,14 @@ class EngineStats:
     generation_tokens: int = 0
     steps: int = 0
     peak_in_flight: int = 0  # the most sequences it held at once (tests: did anyone overfill its batch)
+    # The model's step seconds against the loop's real ones (a busy CPU makes steps late), and the
+    # seconds sequences waited in the queue for a slot: what the routing bench compares with its replay.
+    step_model_s: float = 0.0
+    step_real_s: float = 0.0
+    queue_wait_s: float = 0.0
+    admitted: int = 0
+    latency_s: float = 0.0  # summed over completed sequences: submit to last token, submit to first
+    first_token_s: float = 0.0
 
 
 class EngineObserver(Protocol):
@@ -253,15 +261,21 @@ class Engine:
     async def _step_loop(self) -> None:
         loop = asyncio.get_running_loop()
         clock = loop.time()
+        stats = self.stats
         try:
             while self.waiting or self.running:
+                began = loop.time()
                 admitted = self._admit()
                 if not self.running:
                     continue  # the queue was empty too: the while condition ends the loop
                 uncached = sum(s.prompt.tokens - s.cached_tokens for s in admitted)
-                clock = max(clock, loop.time()) + step_seconds(self.timing, uncached, len(self.running))
+                step = step_seconds(self.timing, uncached, len(self.running))
+                clock = max(clock, began) + step
                 await asyncio.sleep(max(0.0, clock - loop.time()))
-                self._advance(admitted, loop.time())
+                now = loop.time()
+                stats.step_model_s += step
+                stats.step_real_s += now - began
+                self._advance(admitted, now)
         finally:
             self._task = None
 
@@ -275,6 +289,8 @@ class Engine:
                 break
             self.waiting.popleft()
             seq.state = RUNNING
+            self.stats.admitted += 1
+            self.stats.queue_wait_s += self._loop.time() - seq.submitted_at - self.timing.ttft / self.timing.speed
             seq.cached_tokens = self._cached(seq)
             self.kv_reserved += seq.kv_tokens
             self.running.append(seq)
@@ -305,6 +321,8 @@ class Engine:
                 self.kv_reserved -= seq.kv_tokens
                 self.stats.completed += 1
                 self._finish(seq, "length")
+                self.stats.latency_s += seq.finished_at - seq.submitted_at
+                self.stats.first_token_s += seq.first_token_at - seq.submitted_at
 
     def _cached(self, seq: Sequence) -> int:
         if seq.migrated:  # the prompt's KV arrived by migration: nothing to prefill
