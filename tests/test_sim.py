@@ -501,6 +501,21 @@ def test_step_cost_is_prefill_plus_a_decode_pass_that_slows_with_the_batch() -> 
     assert step_seconds(timing, 500, 10) == pytest.approx((0.5 + 0.01 * 1.2) / 2)
 
 
+async def test_engine_stats_hold_modelled_and_real_step_seconds_and_queue_wait() -> None:
+    # One slot, two 5-token requests: the second waits for the first's 5 steps. Lower bounds only:
+    # a busy machine can make steps late, never early.
+    timing = Timing(ttft=0.0, tpot=0.01, speed=1.0, prefill_tokens_per_s=1e9, batch_slowdown=0.0)
+    engine = Engine(timing, EngineLimits(1, 10_000, 4))
+    first, second = (engine.submit(text_prompt("abcd" * 10, 4), 5) for _ in range(2))
+    await second.wait_done()
+    stats = engine.stats
+    assert first.finished and stats.admitted == 2 and stats.steps == 10
+    assert stats.step_model_s == pytest.approx(10 * step_seconds(timing, 0, 1), rel=1e-3)  # prefill is free here
+    assert stats.step_real_s >= stats.step_model_s - 0.01  # sleeps may end a timer tick early, not more
+    assert stats.queue_wait_s >= 5 * 0.01 - 0.005  # the second waited out the first's 5 steps
+    assert stats.latency_s >= stats.first_token_s + 2 * 4 * 0.01 - 0.01  # each decoded 4 more tokens after its first
+
+
 async def test_instant_engine_answers_without_a_task() -> None:
     engine = Engine(Timing(0, 0, 1, 1e4, 0.02), EngineLimits(4, 1000, 4))
     seq = engine.submit(text_prompt("abcd" * 10, 4), 5)

@@ -219,12 +219,14 @@ def policy_spec(spec: str, cfg: BalancerConfig) -> tuple[str, BalancerConfig]:
 
 
 def replay(policy: str, speeds: list[float], trace, params: SimParams, cfg: BalancerConfig, seed: int = 0, warmup: float = 0.1,
-           replicas: int = 1, interval: float = StateConfig.load_interval, push_gap: float = 0.0) -> dict:
+           replicas: int = 1, interval: float = StateConfig.load_interval, push_gap: float = 0.0, relay: float = 0.0) -> dict:
     """``replicas`` > 1: that many gateways (a policy, its own Backend objects, queue and scrapes each)
     share the engines; request i goes to replica ``i % replicas``. Each sees the others only as the
     load exchange (``gateway/state/cluster.py``) shows them: every ``interval`` a replica publishes
     its in-flight counts (and what else ``shared_load`` gives) and reads the others' last published
     ones (phases staggered, so up to ``interval`` stale); its prefix placements reach the others then."""
+    # relay: seconds from an engine's token to the gateway seeing it (the socket bench measures ~0.008 s
+    # from the sims' own times to the client's); the balancer learns from the delayed times, as on sockets.
     loop = Loop()
     spec = policy
     policy, cfg = (spec, cfg) if spec == "smg:cache_aware" else policy_spec(spec, cfg)
@@ -248,16 +250,28 @@ def replay(policy: str, speeds: list[float], trace, params: SimParams, cfg: Bala
             for r in range(n)]
 
     def on_token(engine, s: Seq) -> None:
+        if relay > 0:
+            loop.at(loop.now + relay, _first_byte, engine, s)
+        else:
+            _first_byte(engine, s)
+
+    def _first_byte(engine, s: Seq) -> None:
         r = owner[s.index]
         bals[r].first_byte(fleets[r][engines.index(engine)], s.req, loop.now - s.sent)
 
     def on_done(engine, s: Seq) -> None:
+        if relay > 0:
+            loop.at(loop.now + relay, _done, engine, s)
+        else:
+            _done(engine, s)
+
+    def _done(engine, s: Seq) -> None:
         r = owner.pop(s.index)
         b = fleets[r][engines.index(engine)]
         bals[r].completed(b, s.req, Outcome(status=200, ok=True, ttft=s.first - s.sent,
                                             prompt_tokens=s.tokens, completion_tokens=s.out, cached_tokens=s.cached))
         t0 = arrived.pop(s.index)
-        results[s.index] = (loop.now - t0, s.first - t0)
+        results[s.index] = (loop.now - t0, s.first + relay - t0)
         served[s.index] = (engines.index(engine), s.cached, s.tokens, s.out)
         changed(r)
         if adms[r] is not None:
@@ -428,7 +442,8 @@ def _learnt(bal: Balancer, backends: list[Backend]) -> str:
     fleet = bal.fleet_sigma(backends)
     sigma = "/".join(f"{bal.sigma(b, fleet):.4f}" for b in backends)
     slots = "/".join(str(bal.models(b).slots) for b in backends)
-    return f"gamma {bal.gamma:.4f} rho {bal.rho:.4f} sigma {sigma} slots {slots} affinity picks {bal.affinity_picks}/{bal.picks}"
+    kv = "/".join(f"{bal.models(b).kv_capacity or 0:.0f}" for b in backends)
+    return f"gamma {bal.gamma:.4f} rho {bal.rho:.4f} sigma {sigma} slots {slots} kv {kv} affinity picks {bal.affinity_picks}/{bal.picks}"
 
 
 PRIORITIES = {"ui": PRIORITY_NAMES["interactive"], "bulk": PRIORITY_NAMES["batch"]}  # the mixed run's keys
@@ -451,6 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--load-interval", type=float, default=StateConfig.load_interval, help="with --replicas: seconds between load exchanges")
     ap.add_argument("--push-gap", type=float, default=0.0, help="with --replicas: also publish a replica's load this soon after it changes")
     ap.add_argument("--dump", type=Path, default=None, help="write each run's per-request backend, latency, TTFT, cached tokens into this folder")
+    ap.add_argument("--relay", type=float, default=0.0, help="seconds the relay adds to each first byte and end (what the balancer sees and the client measures)")
     ap.add_argument("--verbose", action="store_true", help="per backend: step seconds, steps, mean queue wait for a slot")
     ap.add_argument("--mixed", action="store_true", help="interactive short requests (key ui) at --loads, alone and with a batch flood (key bulk) at 100%%")
     args = ap.parse_args(argv)
@@ -481,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"\n{fleet} {load:.0%} seed {seed}: {len(trace.items)} requests")
                 base = None
                 for policy in args.policies.split(","):
-                    r = replay(policy, speeds, trace, params, cfg, seed, replicas=args.replicas, interval=args.load_interval, push_gap=args.push_gap)
+                    r = replay(policy, speeds, trace, params, cfg, seed, replicas=args.replicas, interval=args.load_interval, push_gap=args.push_gap, relay=args.relay)
                     runs.setdefault(policy, []).append(r)
                     if args.dump is not None:
                         args.dump.mkdir(parents=True, exist_ok=True)

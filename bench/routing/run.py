@@ -111,7 +111,7 @@ def dump_requests(path: Path, policy: str, sims: list[SimProc], trace, results) 
     """Per request of the trace: the backend that served it (from the sims' request logs, matched
     by the messages), latency, TTFT and cached tokens as the client saw them; to set beside the
     replay's ``--dump`` of the same trace."""
-    where: dict[bytes, int] = {}
+    where: dict[str, int] = {}
     for b, s in enumerate(sims):
         for e in s.http.get("/_sim/requests", timeout=30).json():
             if e["path"].endswith("/chat/completions") and e["body"]:
@@ -122,8 +122,9 @@ def dump_requests(path: Path, policy: str, sims: list[SimProc], trace, results) 
     (path / f"socket-{policy.replace(':', '_')}.json").write_text(json.dumps(rows))
 
 
-def _key(body: dict) -> bytes:
-    return json.dumps([body.get("messages"), body.get("max_tokens")], sort_keys=True).encode()
+def _key(body: dict) -> str:
+    messages = body.get("messages") or [{}]
+    return str(messages[-1].get("content"))  # the question: random words, one per request
 
 
 def run_one(workdir: Path, policy: str, sims: list[SimProc], trace, warmup: float, balancer: dict, verbose: bool = False,
@@ -245,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             sims: list[SimProc] = []
             try:
                 for sp in speeds:
-                    sims.append(SimProc(MODEL, sp, params.argv(sp)))
+                    sims.append(SimProc(MODEL, sp, params.argv(sp, record_limit=20_000 if args.dump else 0)))
                 capacity = fleet_capacity(params, speeds, args.seed, MODEL, args.shared)
                 if args.mixed:
                     all_rows += run_mixed(workdir, sims, speeds, fleet, capacity, loads, policies, duration, args, balancer)

@@ -32,7 +32,8 @@ class SimParams:
     block_tokens: int = 16
     metrics_interval: float = 10.0
 
-    def argv(self, speed: float) -> list[str]:
+    def argv(self, speed: float, record_limit: int = 0) -> list[str]:
+        """``record_limit``: requests each sim keeps in its log (0: none, the bench's cost; ``--dump`` needs them)."""
         return [
             "--speed", str(speed),
             "--tpot", str(self.tpot),
@@ -43,7 +44,7 @@ class SimParams:
             "--kv-capacity-tokens", str(self.kv_capacity_tokens),
             "--block-size", str(self.block_tokens),
             "--metrics-interval", str(self.metrics_interval),
-            "--record-limit", "0",
+            "--record-limit", str(record_limit),
         ]
 
     def seconds_per_request(self, prompt_tokens: float, output_tokens: float) -> float:
