@@ -288,19 +288,22 @@ class Router:
         hdrs = list(response.headers)
         hdrs += [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
         await send({"type": "http.response.start", "status": 200, "headers": hdrs})
-        usage_chunk = b""
-        events = 0
-        first = True
+        scan = SseScan()
+        slow = True  # the first read, or a line carried from the last one
         try:
             async for chunk in response.chunks():
-                if first:
-                    first = False
-                    outcome.ttft = time.monotonic() - start
-                    self.balancer.first_byte(b, req, outcome.ttft)
-                    self._observe_ttfb(ctx.route.kind, outcome.ttft)
-                if b'"usage"' in chunk:
-                    usage_chunk = chunk
-                events += chunk.count(b"data:")
+                # A read that ends a line and follows one that did: scanned inline (a call per
+                # chunk costs more than the scans). Any other goes through scan.read().
+                if slow or chunk[-1:] != b"\n":
+                    if outcome.ttft is None:
+                        outcome.ttft = time.monotonic() - start
+                        self.balancer.first_byte(b, req, outcome.ttft)
+                        self._observe_ttfb(ctx.route.kind, outcome.ttft)
+                    slow = scan.read(chunk)
+                else:
+                    if b'"usage"' in chunk:
+                        scan.usage = chunk
+                    scan.events += chunk.count(b"data:")
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except (UpstreamTimeout, UpstreamFailure) as exc:
             if isinstance(exc, UpstreamTimeout):
@@ -314,13 +317,68 @@ class Router:
             await send({"type": "http.response.body", "body": event, "more_body": False})
             return
         outcome.ok = True
-        if usage_chunk:
-            _read_sse_usage(usage_chunk, outcome)
-        if outcome.completion_tokens is None and events:
+        scan.finish(outcome)
+        if outcome.completion_tokens is None and scan.events:
             # No usage (an OpenAI stream without stream_options.include_usage): about one token per
             # event, less the role chunk and [DONE]. An estimate, but better than nothing to learn from.
-            outcome.completion_tokens = max(1, events - 2)
+            outcome.completion_tokens = max(1, scan.events - 2)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class SseScan:
+    """What a stream tells the gateway as it passes: its last complete lines that hold a usage
+    object and its number of ``data:`` fields (the completion estimate without usage).
+
+    A read may end inside a line (a frame, a ``data:`` or the ``"usage"`` key cut in two). That
+    line is carried, in pieces joined once when its newline comes, and looked at then: each line is
+    scanned once and whole, whatever the reads. The carry is at most one line, which the upstream
+    layer already bounds (``LineBound``: a longer one ends the stream before it gets here).
+    """
+
+    __slots__ = ("events", "usage", "carry")
+
+    def __init__(self) -> None:
+        self.events = 0
+        self.usage = b""  # complete lines, the last of which with "usage" is read at the end
+        self.carry: list[bytes] = []  # the start of a line the last read ended in
+
+    def read(self, chunk: bytes) -> bool:
+        """Scan one read's complete lines; True while a line is carried to the next read. A read
+        that ends a line, with none carried, may instead be scanned by the caller as it is:
+        ``"usage"`` in it makes it ``usage``, and its ``data:`` count adds to ``events``."""
+        carry = self.carry
+        start = 0
+        if carry:
+            nl = chunk.find(b"\n")
+            if nl < 0:
+                carry.append(chunk)
+                return True
+            carry.append(chunk[: nl + 1])
+            self._line(b"".join(carry))
+            carry.clear()
+            start = nl + 1
+        end = chunk.rfind(b"\n", start) + 1  # after the last newline; 0 when there is none
+        if end < len(chunk):
+            carry.append(chunk[max(start, end):])
+        if end > start:
+            self.events += chunk.count(b"data:", start, end)
+            if chunk.find(b'"usage"', start, end) >= 0:
+                self.usage = chunk[start:end]
+        return bool(carry)
+
+    def _line(self, line: bytes) -> None:
+        self.events += line.count(b"data:")
+        if b'"usage"' in line:
+            self.usage = line
+
+    def finish(self, outcome: Outcome) -> None:
+        """At the end of the stream: a last line without a newline counts too (as it always has);
+        then the usage, if any, goes to ``outcome``."""
+        if self.carry:
+            self._line(b"".join(self.carry))
+            self.carry.clear()
+        if self.usage:
+            _read_sse_usage(self.usage, outcome)
 
 
 def _apply_usage(usage: Any, outcome: Outcome) -> None:
