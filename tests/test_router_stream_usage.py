@@ -8,6 +8,8 @@ In memory: the router over a ``FakeUpstream`` (tests/fakes.py), each piece one r
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from fakes import SSE, Reply
@@ -138,3 +140,19 @@ async def test_a_line_longer_than_the_upstream_bound_ends_the_stream_whatever_th
     outcome, sent = await relay([FRAMES, long[:1000], long[1000:2000], long[2000:], b'"}}\n\n'], limits=UpstreamConfig(max_line_bytes=1024))
     assert outcome.ok is False and outcome.prompt_tokens is None
     assert sent.startswith(FRAMES) and b"error" in sent[len(FRAMES):]
+
+
+@pytest.mark.parametrize("seed", range(5))
+async def test_random_reads_give_what_one_read_gives(seed):
+    # A mixed stream (null usage frames, two usage frames, an event: line, CRLF or not) cut at random.
+    rng = random.Random(seed)
+    nulls = FRAMES.replace(b"]}\n", b'],"usage":null}\n')
+    first = USAGE.replace(b"8", b"1")
+    for body in (nulls + first + b"event: x\n" + USAGE + DONE, NO_USAGE + nulls, (nulls + USAGE + DONE).replace(b"\n", b"\r\n")):
+        whole, _ = await relay([body])
+        for _ in range(40):
+            at = sorted(rng.sample(range(1, len(body)), rng.randint(1, 12)))
+            pieces = [body[i:j] for i, j in zip([0, *at], [*at, len(body)])]
+            outcome, sent = await relay(pieces)
+            assert sent == body
+            assert (outcome.prompt_tokens, outcome.completion_tokens) == (whole.prompt_tokens, whole.completion_tokens), at

@@ -290,6 +290,7 @@ class Router:
         await send({"type": "http.response.start", "status": 200, "headers": hdrs})
         scan = SseScan()
         slow = True  # the first read, or a line carried from the last one
+        events = 0  # the inline reads' data: fields (scan.events has the others')
         try:
             async for chunk in response.chunks():
                 # A read that ends a line and follows one that did: scanned inline (a call per
@@ -303,7 +304,7 @@ class Router:
                 else:
                     if b'"usage"' in chunk:
                         scan.usage = chunk
-                    scan.events += chunk.count(b"data:")
+                    events += chunk.count(b"data:")
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except (UpstreamTimeout, UpstreamFailure) as exc:
             if isinstance(exc, UpstreamTimeout):
@@ -318,10 +319,11 @@ class Router:
             return
         outcome.ok = True
         scan.finish(outcome)
-        if outcome.completion_tokens is None and scan.events:
+        events += scan.events
+        if outcome.completion_tokens is None and events:
             # No usage (an OpenAI stream without stream_options.include_usage): about one token per
             # event, less the role chunk and [DONE]. An estimate, but better than nothing to learn from.
-            outcome.completion_tokens = max(1, scan.events - 2)
+            outcome.completion_tokens = max(1, events - 2)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
@@ -345,7 +347,7 @@ class SseScan:
     def read(self, chunk: bytes) -> bool:
         """Scan one read's complete lines; True while a line is carried to the next read. A read
         that ends a line, with none carried, may instead be scanned by the caller as it is:
-        ``"usage"`` in it makes it ``usage``, and its ``data:`` count adds to ``events``."""
+        ``"usage"`` in it makes it ``usage``; its ``data:`` fields are the caller's to count."""
         carry = self.carry
         start = 0
         if carry:
