@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from fakes import SSE, Reply
+from fakes import JSON, SSE, Reply
 from gateway.config import UpstreamConfig
 from test_router_unit import MESSAGES, A, Harness
 
@@ -156,3 +156,41 @@ async def test_random_reads_give_what_one_read_gives(seed):
             outcome, sent = await relay(pieces)
             assert sent == body
             assert (outcome.prompt_tokens, outcome.completion_tokens) == (whole.prompt_tokens, whole.completion_tokens), at
+
+
+def anthropic_stream(cached: int = 5) -> bytes:
+    """As lmdeploy (and the simulator) send /v1/messages: input tokens in message_start (without
+    the cached part, given apart), the output tokens in message_delta at the end."""
+    start = b'{"type":"message_start","message":{"id":"m","usage":{"input_tokens":%d,"cache_creation_input_tokens":0,"cache_read_input_tokens":%d,"output_tokens":0}}}' % (25 - cached, cached)
+    body = b"event: message_start\ndata: " + start + b"\n\n"
+    body += b'event: content_block_start\ndata: {"type":"content_block_start","index":0,"content_block":{"type":"text","text":""}}\n\n'
+    body += b'event: ping\ndata: {"type":"ping"}\n\n'
+    body += b"".join(b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"t%d"}}\n\n' % i for i in range(3))
+    body += b'event: content_block_stop\ndata: {"type":"content_block_stop","index":0}\n\n'
+    body += b'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":"end_turn"},"usage":{"output_tokens":15}}\n\n'
+    return body + b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
+
+
+async def test_an_anthropic_stream_gives_the_prompt_from_message_start_and_the_output_from_message_delta_wherever_cut():
+    body = anthropic_stream()
+    for pieces in ([body], *cuts(body, 1)):
+        outcome, sent = await relay(pieces, route=MESSAGES)
+        assert sent == body
+        assert (outcome.prompt_tokens, outcome.completion_tokens, outcome.cached_tokens) == (25, 15, 5), pieces
+
+
+async def test_an_anthropic_stream_read_a_line_at_a_time_or_an_event_at_a_time():
+    # One line a read: message_start's data line comes in a read that ends a line after one that did.
+    body = anthropic_stream(cached=0)
+    for pieces in ([line + b"\n" for line in body.split(b"\n")[:-1]], [e + b"\n\n" for e in body.split(b"\n\n")[:-1]]):
+        assert b"".join(pieces) == body
+        outcome, _ = await relay(pieces, route=MESSAGES)
+        assert (outcome.prompt_tokens, outcome.completion_tokens, outcome.cached_tokens) == (25, 15, 0)
+
+
+async def test_an_anthropic_reply_counts_its_cached_input_in_the_prompt():
+    reply = b'{"type":"message","usage":{"input_tokens":5,"cache_creation_input_tokens":3,"cache_read_input_tokens":17,"output_tokens":4}}'
+    h = Harness({A: [Reply(200, JSON, [reply])]})
+    assert await h.forward(route=MESSAGES) == 200
+    outcome = h.balancer.outcomes[0]
+    assert (outcome.prompt_tokens, outcome.completion_tokens, outcome.cached_tokens) == (25, 4, 17)
