@@ -416,9 +416,10 @@ class SseScan:
 
 
 # A backend's usage is untrusted: a count is an int (not a bool) from 0 to this, else it is ignored
-# as if absent (the gateway's estimate applies, flagged as one). 2**31 - 1: lmdeploy counts tokens
-# in int32 and no context comes near it; a request's prompt + completion (at most 2**32) then stays
-# exact in the Lua doubles and int64 INCRBYs that settle it in Redis, even summed over many.
+# as if absent (the gateway's estimate applies, flagged as one). 2**31 - 1: far past any model's
+# context, and a request's prompt + completion (under 2**32) stays exact in the Lua doubles (2**53)
+# and int64 INCRBYs that settle it in Redis, summed over a million requests. It does not stop a
+# lying backend from charging a key up to that: the tpm bucket and budget take what is reported.
 MAX_USAGE_TOKENS = 2**31 - 1
 _BAD_USAGE_LOGGED: set[str] = set()  # backends whose invalid usage was logged: once each, not per request
 
