@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import anthropic
 import httpx
 import openai
@@ -75,17 +77,31 @@ def test_models_are_filtered_by_the_keys_allow_list(setup):
     assert exc.value.body["code"] == "model_not_found"
 
 
+def counted(gw, keys) -> tuple[int, int, int, int]:
+    """alice's usage as the gateway counted it (its in-memory store): requests, prompt, completion, estimated."""
+    rows = asyncio.run(gw.gateway.store.usage(keys.entries[0]["hash"]))
+    return tuple(sum(getattr(r, f) for r in rows) for f in ("requests", "prompt_tokens", "completion_tokens", "estimated"))  # type: ignore[return-value]
+
+
 def test_anthropic_messages_with_x_api_key(setup):
     gw, sim, keys = setup
     sim.clear()
+    before, sim_before = counted(gw, keys), sim.stats()
     with anthropic.Anthropic(base_url=gw.url, api_key=keys.alice, max_retries=0) as c:
         msg = c.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "hi"}])
         assert msg.content[0].text
         with c.messages.stream(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "hi"}]) as s:
             assert s.get_final_text()
+            final = s.get_final_message()
     for rec in sim.requests():
         assert rec["headers"]["authorization"] == "Bearer backend-secret"
         assert "x-api-key" not in rec["headers"]
+    # The usage counted is the simulator's own, exactly, for the stream too: its prompt (message_start's
+    # input tokens plus the cached ones) and its output (message_delta's); none of it an estimate.
+    sim_after = sim.stats()
+    want = (2, sim_after["prompt_tokens"] - sim_before["prompt_tokens"], sim_after["generation_tokens"] - sim_before["generation_tokens"], 0)
+    assert want[1] > 0 and want[2] == 4 + final.usage.output_tokens
+    wait_until(lambda: tuple(a - b for a, b in zip(counted(gw, keys), before)) == want, 10, 0.05, "the usage settled")
 
 
 def test_anthropic_errors_use_the_anthropic_shape(setup):

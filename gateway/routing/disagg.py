@@ -47,7 +47,7 @@ from .pd_policy import DecodeRun, PDPicker, PDRequest
 from .pool import Backend, BackendPool
 from .policies import Outcome
 from .queue import LOW_PREFILL_AHEAD, Admission, GatewayQueue
-from .router import TIMEOUTS, UPSTREAM_FAILED, _read_sse_usage, _read_usage, backend_error, open_upstream, queued_pick, refuse_invalid
+from .router import TIMEOUTS, UPSTREAM_FAILED, SseScan, _read_usage, backend_error, open_upstream, queued_pick, refuse_invalid
 
 log = logging.getLogger("gateway.disagg")
 
@@ -600,7 +600,7 @@ class PDDispatcher:
                     return None
                 progress["done"] = response.status == 200
                 if response.status == 200:
-                    _read_usage(data, outcome)
+                    _read_usage(data, outcome, d.id)
                 await _send_whole(send, response, data)
                 return response.status
             finally:
@@ -614,7 +614,9 @@ class PDDispatcher:
     ) -> None:
         hdrs = list(response.headers) + [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
         await send({"type": "http.response.start", "status": 200, "headers": hdrs})
-        errored = False
+        # Lines are scanned whole however the reads cut them (SseScan): the usage, lmdeploy's
+        # in-stream error event and [DONE] are each seen once.
+        scan = SseScan(watch=True)
         started = time.monotonic()
         try:
             async for chunk in response.chunks():
@@ -622,11 +624,8 @@ class PDDispatcher:
                 if outcome.ttft is None:
                     outcome.ttft = time.monotonic() - started
                     run.first_at = self.picker.clock()  # decoding from now: when its slot frees is predicted from here
-                if b'"usage"' in chunk:
-                    _read_sse_usage(chunk, outcome)
-                if b'data: {"error"' in chunk:
-                    errored = True  # lmdeploy reports an engine error in the stream, then [DONE]
-                elif b"data: [DONE]" in chunk and not errored:
+                scan.read(chunk)
+                if scan.done:
                     progress["done"] = True  # the client has it all: the decode engine frees the prefill blocks
         except (UpstreamTimeout, UpstreamFailure) as exc:
             kind = f"{exc.phase}_timeout" if isinstance(exc, UpstreamTimeout) else "stream_broken"
@@ -636,7 +635,8 @@ class PDDispatcher:
             event = sse_error_event("The backend stopped answering before the response was complete.", ctx.style)
             await send({"type": "http.response.body", "body": event, "more_body": False})
             return
-        progress["done"] = not errored
+        scan.finish(outcome, d.id)
+        progress["done"] = not scan.error
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 

@@ -255,7 +255,7 @@ class Router:
         self._observe_ttfb(kind, outcome.ttft)
         if response.status == 200:
             outcome.ok = True
-            _read_usage(body, outcome)
+            _read_usage(body, outcome, b.id)
         hdrs = list(response.headers)
         hdrs.append((b"content-length", str(len(body)).encode()))
         await send({"type": "http.response.start", "status": response.status, "headers": hdrs})
@@ -288,19 +288,25 @@ class Router:
         hdrs = list(response.headers)
         hdrs += [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
         await send({"type": "http.response.start", "status": 200, "headers": hdrs})
-        usage_chunk = b""
-        events = 0
-        first = True
+        scan = SseScan(first=ctx.route.style == "anthropic")
+        slow = True  # the first read, or a line carried from the last one
+        events = 0  # the inline reads' data: fields (scan.events has the others')
         try:
             async for chunk in response.chunks():
-                if first:
-                    first = False
-                    outcome.ttft = time.monotonic() - start
-                    self.balancer.first_byte(b, req, outcome.ttft)
-                    self._observe_ttfb(ctx.route.kind, outcome.ttft)
-                if b'"usage"' in chunk:
-                    usage_chunk = chunk
-                events += chunk.count(b"data:")
+                # A read that ends a line and follows one that did: scanned inline (a call per
+                # chunk costs more than the scans). Any other goes through scan.read(). find(),
+                # not "in": bytes.__contains__ first tries its argument as an int (a TypeError
+                # raised and cleared), about 100 ns a chunk.
+                if slow or chunk[-1:] != b"\n":
+                    if outcome.ttft is None:
+                        outcome.ttft = time.monotonic() - start
+                        self.balancer.first_byte(b, req, outcome.ttft)
+                        self._observe_ttfb(ctx.route.kind, outcome.ttft)
+                    slow = scan.read(chunk)
+                else:
+                    if chunk.find(b'"usage"') >= 0:
+                        scan.usage = chunk
+                    events += chunk.count(b"data:")
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except (UpstreamTimeout, UpstreamFailure) as exc:
             if isinstance(exc, UpstreamTimeout):
@@ -314,8 +320,8 @@ class Router:
             await send({"type": "http.response.body", "body": event, "more_body": False})
             return
         outcome.ok = True
-        if usage_chunk:
-            _read_sse_usage(usage_chunk, outcome)
+        scan.finish(outcome, b.id)
+        events += scan.events
         if outcome.completion_tokens is None and events:
             # No usage (an OpenAI stream without stream_options.include_usage): about one token per
             # event, less the role chunk and [DONE]. An estimate, but better than nothing to learn from.
@@ -323,22 +329,140 @@ class Router:
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-def _apply_usage(usage: Any, outcome: Outcome) -> None:
+class SseScan:
+    """What a stream tells the gateway as it passes: its last complete lines that hold a usage
+    object and its number of ``data:`` fields (the completion estimate without usage).
+
+    A read may end inside a line (a frame, a ``data:`` or the ``"usage"`` key cut in two). That
+    line is carried, in pieces joined once when its newline comes, and looked at then: each line is
+    scanned once and whole, whatever the reads. The carry is at most one line, which the upstream
+    layer already bounds (``LineBound``: a longer one ends the stream before it gets here).
+
+    ``first``: also keep the lines of the first usage (an Anthropic stream's ``message_start``,
+    the only one with the input tokens; the ``message_delta`` at the end has the output tokens).
+    ``read()`` then asks for every read until it has them, so the caller's inline scan never
+    misses them; message_start is the first event, so that is a read or two.
+    ``watch``: also note lmdeploy's in-stream error event (``error``) and a ``[DONE]`` not
+    after one (``done``), the disaggregated decode's end of stream.
+    """
+
+    __slots__ = ("events", "usage", "carry", "first", "want_first", "watch", "error", "done")
+
+    def __init__(self, *, first: bool = False, watch: bool = False) -> None:
+        self.events = 0
+        self.usage = b""  # complete lines, the last of which with "usage" is read at the end
+        self.carry: list[bytes] = []  # the start of a line the last read ended in
+        self.first = b""  # with first=True: the complete lines that held the first "usage"
+        self.want_first = first
+        self.watch = watch
+        self.error = False
+        self.done = False
+
+    def read(self, chunk: bytes) -> bool:
+        """Scan one read's complete lines; True while a line is carried to the next read (or the
+        first usage is still wanted). A read that ends a line, when False was returned, may instead
+        be scanned by the caller as it is: ``"usage"`` in it makes it ``usage``; its ``data:``
+        fields are the caller's to count."""
+        carry = self.carry
+        start = 0
+        if carry:
+            nl = chunk.find(b"\n")
+            if nl < 0:
+                carry.append(chunk)
+                return True
+            carry.append(chunk[: nl + 1])
+            self._line(b"".join(carry))
+            carry.clear()
+            start = nl + 1
+        end = chunk.rfind(b"\n", start) + 1  # after the last newline; 0 when there is none
+        if end < len(chunk):
+            carry.append(chunk[max(start, end):])
+        if end > start:
+            self.events += chunk.count(b"data:", start, end)
+            if chunk.find(b'"usage"', start, end) >= 0:
+                self.usage = chunk[start:end]
+                if self.want_first:
+                    self.first, self.want_first = self.usage, False
+            if self.watch:
+                self._watch(chunk, start, end)
+        return bool(carry) or self.want_first
+
+    def _line(self, line: bytes) -> None:
+        self.events += line.count(b"data:")
+        if line.find(b'"usage"') >= 0:
+            self.usage = line
+            if self.want_first:
+                self.first, self.want_first = line, False
+        if self.watch:
+            self._watch(line, 0, len(line))
+
+    def _watch(self, buf: bytes, start: int, end: int) -> None:
+        if buf.find(b'data: {"error"', start, end) >= 0:
+            self.error = True  # lmdeploy reports an engine error in the stream, then [DONE]
+        elif not self.error and buf.find(b"data: [DONE]", start, end) >= 0:
+            self.done = True
+
+    def finish(self, outcome: Outcome, backend: str) -> None:
+        """At the end of the stream: a last line without a newline counts too (as it always has);
+        then the usage, if any, goes to ``outcome``: the first usage's, then the last's over it
+        (Anthropic: the input tokens from the first, the output tokens from the last)."""
+        if self.carry:
+            self._line(b"".join(self.carry))
+            self.carry.clear()
+        if self.first:
+            _read_sse_usage(self.first, outcome, backend, first=True)
+        if self.usage:
+            _read_sse_usage(self.usage, outcome, backend)
+
+
+# A backend's usage is untrusted: a count is an int (not a bool) from 0 to this, else it is ignored
+# as if absent (the gateway's estimate applies, flagged as one). 2**31 - 1: far past any model's
+# context, and a request's prompt + completion (under 2**32) stays exact in the Lua doubles (2**53)
+# and int64 INCRBYs that settle it in Redis, summed over a million requests. It does not stop a
+# lying backend from charging a key up to that: the tpm bucket and budget take what is reported.
+MAX_USAGE_TOKENS = 2**31 - 1
+_BAD_USAGE_LOGGED: set[str] = set()  # backends whose invalid usage was logged: once each, not per request
+
+
+def _tokens(value: Any, backend: str) -> int | None:
+    if value is None:
+        return None
+    if type(value) is int and 0 <= value <= MAX_USAGE_TOKENS:
+        return value
+    if backend not in _BAD_USAGE_LOGGED:
+        if len(_BAD_USAGE_LOGGED) >= 4096:  # bounded, whatever discovery adds
+            _BAD_USAGE_LOGGED.clear()
+        _BAD_USAGE_LOGGED.add(backend)
+        log.warning("backend %s reported an invalid usage count %s: ignored (an estimate is used); not logged again for it",
+                    backend, repr(value)[:64])
+    return None
+
+
+def _apply_usage(usage: Any, outcome: Outcome, backend: str) -> None:
     if not isinstance(usage, dict):
         return
-    p = usage.get("prompt_tokens", usage.get("input_tokens"))
-    c = usage.get("completion_tokens", usage.get("output_tokens"))
-    if isinstance(p, int):
+    if "prompt_tokens" in usage:
+        p = _tokens(usage["prompt_tokens"], backend)
+    else:
+        p = _tokens(usage.get("input_tokens"), backend)
+        cache = (usage.get("cache_read_input_tokens"), usage.get("cache_creation_input_tokens"))
+        if p is not None and cache != (None, None):
+            # Anthropic's input_tokens leave out the prompt's cached part: the prompt is the sum.
+            parts = [_tokens(v, backend) for v in cache]
+            bad = any(n is None and v is not None for n, v in zip(parts, cache))
+            p = None if bad else _tokens(p + (parts[0] or 0) + (parts[1] or 0), backend)
+    c = _tokens(usage.get("completion_tokens", usage.get("output_tokens")), backend)
+    if p is not None:
         outcome.prompt_tokens = p
-    if isinstance(c, int):
+    if c is not None:
         outcome.completion_tokens = c
     details = usage.get("prompt_tokens_details")
-    cached = details.get("cached_tokens") if isinstance(details, dict) else usage.get("cache_read_input_tokens")
-    if isinstance(cached, int):
+    cached = _tokens(details.get("cached_tokens") if isinstance(details, dict) else usage.get("cache_read_input_tokens"), backend)
+    if cached is not None:
         outcome.cached_tokens = cached
 
 
-def _read_usage(body: bytes, outcome: Outcome) -> None:
+def _read_usage(body: bytes, outcome: Outcome, backend: str) -> None:
     if len(body) > 1 << 20 or b'"usage"' not in body:
         return
     try:
@@ -346,12 +470,14 @@ def _read_usage(body: bytes, outcome: Outcome) -> None:
     except orjson.JSONDecodeError:
         return
     if isinstance(data, dict):
-        _apply_usage(data.get("usage") or (data.get("response") or {}).get("usage"), outcome)
+        _apply_usage(data.get("usage") or (data.get("response") or {}).get("usage"), outcome, backend)
 
 
-def _read_sse_usage(chunk: bytes, outcome: Outcome) -> None:
-    """The usage object from the last SSE event that carries one (OpenAI, Responses or Anthropic)."""
-    for line in reversed(chunk.split(b"\n")):
+def _read_sse_usage(chunk: bytes, outcome: Outcome, backend: str, first: bool = False) -> None:
+    """The usage object from the last SSE event that carries one (OpenAI, Responses or Anthropic),
+    or with ``first`` the first one."""
+    lines = chunk.split(b"\n")
+    for line in lines if first else reversed(lines):
         if line.startswith(b"data:") and b'"usage"' in line:
             try:
                 data = orjson.loads(line[5:])
@@ -359,5 +485,5 @@ def _read_sse_usage(chunk: bytes, outcome: Outcome) -> None:
                 continue
             if isinstance(data, dict):
                 usage = data.get("usage") or (data.get("response") or {}).get("usage") or (data.get("message") or {}).get("usage")
-                _apply_usage(usage, outcome)
+                _apply_usage(usage, outcome, backend)
             return
