@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
+import time
 
 import pytest
 
@@ -644,6 +646,27 @@ def test_first_bytes_that_waited_for_a_slot_teach_the_batch_size(late_ttft, kv_u
         bal.completed(a, done, Outcome(status=200, ok=True, completion_tokens=50))
         clock.t += 0.5  # the next step admits the waiting one: its first byte comes a step later
         bal.first_byte(a, late, late_ttft)
+    assert bal._model(a).slots == slots
+
+
+@pytest.mark.parametrize("blocked, slots", [(0.0, 4), (0.5, None)])
+async def test_first_bytes_the_gateway_itself_made_late_teach_no_slots(blocked, slots):
+    """The same engine with 4 slots, its late first bytes 1 s after their prefill. When the gateway's own
+    event loop ran that late (here: blocked for ``blocked`` s, as a CPU-saturated gateway is), the lateness
+    is the gateway's, not a wait for a batch slot: no batch size is learnt (it was learnt as 4 before)."""
+    clock = Clock()
+    bal = mel(clock)
+    (a,) = backends("a")
+    rs = [_stream(bal, a, clock) for _ in range(6)]
+    for r in rs[:4]:
+        bal.first_byte(a, r, 0.04)  # starts the lag monitor on this loop
+    time.sleep(blocked)
+    await asyncio.sleep(0.1)  # the lag monitor (a sample every 50 ms) sees how late the loop ran
+    for done, late in ((rs[0], rs[4]), (rs[1], rs[5])):
+        clock.t += 1.0
+        bal.completed(a, done, Outcome(status=200, ok=True, completion_tokens=50))
+        clock.t += 0.5
+        bal.first_byte(a, late, 1.0)
     assert bal._model(a).slots == slots
 
 

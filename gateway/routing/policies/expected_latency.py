@@ -10,6 +10,7 @@ import itertools
 from typing import Any, Sequence
 
 from ...metrics import AFFINITY_PICKS
+from ..looplag import LoopLag
 from ..pool import Backend
 from ..prefix import PrefixMemory, key_tokens
 from ..signals import Signals, learn_slots
@@ -153,6 +154,7 @@ class ExpectedLatencyBalancer(Balancer):
     GAMMA_PRIOR = 50.0  # the prior γ weighs as much as n̄ spread by ±1.6 over 20 completions
     MIN_RAMP = 0.1
     LATE_STEPS = 3  # a first byte this many decode steps past twice its predicted prefill waited for a slot
+    LAG_MARGIN = 4.0  # ... past this many times the gateway's own event-loop lag, too (a first byte crosses a few loop turns)
     MAX_LOAD = 0.9  # the slot load u at which others_load's u/(1-u) stops growing (9x)
 
     def __init__(self, *args: Any, **kwargs: Any):
@@ -166,6 +168,7 @@ class ExpectedLatencyBalancer(Balancer):
         self._top = 1.0  # the candidates' highest slow-start ramp at the last estimate
         self.affinity_picks = 0  # picks where affinity overrode the minimum
         self.picks = 0
+        self.lag = LoopLag()  # the gateway's own delay, which a late first byte must exceed to teach slots
 
     # -- state --------------------------------------------------------------------------------
     def _new_model(self) -> BackendModel:
@@ -514,8 +517,9 @@ class ExpectedLatencyBalancer(Balancer):
         (in the replay 40 s into a 60-s trace on the fastest backend) or not at all. Not while the
         KV cache is nearly full: then it may be KV room, not a slot, that r waited for."""
         step = sigma * (1.0 + self.gamma * m.batch())
-        if ttft - 2.0 * self.rho * sigma * req.prefill_ahead - step <= self.LATE_STEPS * step:
-            return
+        self.lag.arm()
+        if ttft - 2.0 * self.rho * sigma * req.prefill_ahead - step - self.LAG_MARGIN * self.lag.lag() <= self.LATE_STEPS * step:
+            return  # not late, or no later than the gateway's own event loop made it
         if m.kv_capacity is not None and m.kv >= 0.8 * m.kv_capacity or m.signals is not None and m.signals.kv_usage >= 0.8:
             return
         if not all(j.stream for j in m.inflight.values()):
