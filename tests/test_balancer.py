@@ -670,6 +670,30 @@ async def test_first_bytes_the_gateway_itself_made_late_teach_no_slots(blocked, 
     assert bal._model(a).slots == slots
 
 
+def test_prefill_ahead_counts_the_prompts_of_those_in_flight_without_a_first_byte():
+    """The prefill queued ahead of a new request, kept as requests start, show a first byte and finish, is
+    the sum over the requests in flight that have shown none (streamed or not), whatever the order."""
+    clock = Clock()
+    bal = mel(clock)
+    (a,) = backends("a")
+    rng = random.Random(3)
+    live: list[RequestInfo] = []
+    for _ in range(400):
+        clock.t += 0.01
+        op = rng.random()
+        if op < 0.45 or not live:
+            r = RequestInfo(model="m", stream=rng.random() < 0.7, prompt_tokens=rng.randint(1, 3000), max_tokens=50)
+            expected = sum(j.uncached for j in live if not j.first_byte_at)
+            bal.dispatched(a, r)
+            assert r.prefill_ahead == pytest.approx(expected + r.uncached, abs=1e-6)
+            live.append(r)
+        elif op < 0.75:
+            bal.first_byte(a, rng.choice(live), 0.05)
+        else:
+            r = live.pop(rng.randrange(len(live)))
+            bal.completed(a, r, Outcome(status=200, ok=True, completion_tokens=50))
+
+
 def test_a_late_first_byte_teaches_nothing_beside_a_non_streamed_request():
     clock = Clock()
     bal = mel(clock)

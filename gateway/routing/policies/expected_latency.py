@@ -21,7 +21,7 @@ from .sizes import Sizes, SizesByModel
 class BackendModel:
     """What the expected-latency policy knows about one backend."""
 
-    __slots__ = ("full_at", "done", "inflight", "area", "area_t", "w", "sn", "sy", "fit", "ext", "remote", "remote_max", "if_max", "slots", "kv", "kv_capacity", "prefixes", "signals")
+    __slots__ = ("full_at", "done", "inflight", "area", "area_t", "w", "sn", "sy", "fit", "ext", "remote", "remote_max", "if_max", "slots", "kv", "kv_capacity", "prefixes", "signals", "prefilling")
 
     def __init__(self, now: float, prefixes: PrefixMemory):
         self.inflight: dict[int, RequestInfo] = {}  # requests this gateway has on it
@@ -42,6 +42,7 @@ class BackendModel:
         self.full_at = 0  # sequences on the backend at the last sign of a full batch (a slot is learnt when two agree)
         self.done: list[float] = []  # when the last few of ours completed
         self.kv = 0.0  # KV tokens our in-flight requests will hold (prompt + output each)
+        self.prefilling = 0.0  # uncached prompt tokens of ours in flight with no first byte seen: kept, not summed per dispatch
         self.kv_capacity: float | None = None  # the engine's KV cache in tokens, from gpu_cache_usage_perc
         self.prefixes = prefixes
         self.signals: Signals | None = None  # the last poll of its /metrics
@@ -477,8 +478,8 @@ class ExpectedLatencyBalancer(Balancer):
         req.uncached = max(0.0, prompt - key_tokens(depth))
         req.kv_tokens = prompt + req.out_tokens
         m.kv += req.kv_tokens
-        queued = sum(j.uncached for j in m.inflight.values() if not j.first_byte_at)
-        req.prefill_ahead = queued + req.uncached
+        req.prefill_ahead = (m.prefilling if m.prefilling > 0.0 else 0.0) + req.uncached  # (rounding may leave -1e-13)
+        m.prefilling += req.uncached
         req.dispatched_at = now
         req.first_byte_at = 0.0
         req.area_at = m.area
@@ -497,6 +498,8 @@ class ExpectedLatencyBalancer(Balancer):
             return  # a non-streamed response's first byte is its end
         now = self.clock()
         m.advance(now)
+        if not req.first_byte_at and now:
+            m.prefilling -= req.uncached
         req.first_byte_at = now
         req.area_at = m.area
         sigma = self.sigma(backend, self._fleet)
@@ -542,6 +545,7 @@ class ExpectedLatencyBalancer(Balancer):
         if len(m.done) > 8:
             del m.done[0]
         m.kv = max(0.0, m.kv - req.kv_tokens) if m.inflight else 0.0
+        m.prefilling = (m.prefilling - req.uncached if not req.first_byte_at else m.prefilling) if m.inflight else 0.0
         backend.in_flight -= 1
         if outcome.ok:
             self._sizes(req.model).learn(req, outcome)
