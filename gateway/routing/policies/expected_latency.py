@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from typing import Any, Sequence
 
 from ...metrics import AFFINITY_PICKS
@@ -270,10 +271,10 @@ class ExpectedLatencyBalancer(Balancer):
         n = m.batch()
         step = sigma * (1.0 + g * n)
         rho = self.rho  # a property: once per estimate, not once per request in flight
-        queued, rems = self._progress(m, now, step, sigma, rho)  # rems: (output tokens left, KV held) of each of ours
-        shared = 0.0
-        for rem, _ in rems:
-            shared += rem if rem < d else d
+        # rems: (output tokens left, KV held) of each of ours, needed only for _wait_steps: nothing to wait
+        # for without known slots or KV capacity. One pass over those in flight, for every candidate of every pick.
+        below = req.priority if self.config.others_weight else None
+        queued, rems, shared, low_shared, low_n = self._progress(m, now, step, sigma, rho, d, below, m.slots is not None or m.kv_capacity is not None)
         sizes = self._sizes(req.model)
         # Others' sequences on b: the other gateway replicas' (the load exchange, 50 ms old at most)
         # and what its /metrics shows beyond every replica's. The replicas say what their requests
@@ -306,24 +307,22 @@ class ExpectedLatencyBalancer(Balancer):
             # there, the more later arrivals wait for one or share its steps. u/(1-u) is the mean
             # queue of a server busy u of the time; capped, as W_b and the queue term below count
             # a full batch themselves.
-            u = min(self.MAX_LOAD, (len(rems) + ext + 1) / m.slots)
+            u = min(self.MAX_LOAD, (len(m.inflight) + ext + 1) / m.slots)
             others *= 1.0 + self.config.others_load * u / (1.0 - u)
         if others:
             o_shared, o_n = shared, n
-            if req.priority is not None:
+            if low_n:
                 # Only the others of r's class or above count: a lower class's sequences (a batch
                 # flood) do not push an interactive request onto fewer backends to spare them.
-                low = [min(rem, d) for j, (rem, _) in zip(m.inflight.values(), rems) if j.priority is not None and j.priority < req.priority]
-                if low:
-                    o_shared -= sum(low)
-                    o_n = max(0.0, n - len(low))
+                o_shared -= low_shared
+                o_n = max(0.0, n - low_n)
             # What r costs the requests already there: σγ more per step they share, and, when the
             # batch is full, its decode time spread over the slots for each one queued behind it.
             lat += others * sigma * g * o_shared
             # r's prefill runs inside a step of the whole batch: every sequence decoding there waits
             # for it. A prefix-cache hit is worth this much to the others, not just to r.
             lat += others * rho * sigma * uncached * min(o_n, m.slots or o_n)
-            behind = len(rems) + 1 - m.slots if m.slots is not None else 0
+            behind = len(m.inflight) + 1 - m.slots if m.slots is not None else 0
             if behind > 0:
                 lat += others * behind * d * step / m.slots
         # The first token comes after the wait for a slot (the prefill queue drains meanwhile), r's
@@ -338,7 +337,7 @@ class ExpectedLatencyBalancer(Balancer):
             pen = self.config.kv_penalty * k / (1.0 - k)
             lat += pen
             ttft += pen
-        free = m.slots - len(rems) - ext if m.slots is not None else float("inf")
+        free = m.slots - len(m.inflight) - ext if m.slots is not None else float("inf")
         return Prediction(ttft=ttft, e2e=lat, wait=wait_s / ramp, slots=m.slots, free=free, prefill_ahead=rho * sigma * queued / ramp), depth
 
     def predict(self, candidates: Sequence[Backend], req: RequestInfo) -> list[Prediction]:
@@ -362,10 +361,14 @@ class ExpectedLatencyBalancer(Balancer):
                 return False
         return True
 
-    def _progress(self, m: BackendModel, now: float, step: float, sigma: float, rho: float) -> tuple[float, list[tuple[float, float]]]:
-        """(uncached prompt tokens of b's requests still in prefill, (output tokens left, KV held) of each of ours)."""
-        queued = 0.0
+    def _progress(self, m: BackendModel, now: float, step: float, sigma: float, rho: float, d: float = math.inf, below: int | None = None,
+                  keep: bool = True) -> tuple[float, list[tuple[float, float]], float, float, int]:
+        """(uncached prompt tokens of b's requests still in prefill, (output tokens left, KV held) of each of ours
+        (with ``keep``), Σ min(left, d) over ours, and that sum and count over those of a class below ``below``)."""
+        queued = shared = low_shared = 0.0
+        low_n = 0
         rems: list[tuple[float, float]] = []
+        rs = rho * sigma  # (rho * sigma) * x, as written out before: the same rounding
         for j in m.inflight.values():
             if j.first_byte_at:
                 decoded = (now - j.first_byte_at) / step
@@ -373,21 +376,29 @@ class ExpectedLatencyBalancer(Balancer):
                 queued += j.uncached
                 decoded = 0.0
             else:  # a non-streamed response shows no first byte: assume its prefill took the estimate
-                t = now - j.dispatched_at - rho * sigma * j.prefill_ahead
+                t = now - j.dispatched_at - rs * j.prefill_ahead
                 if t < 0:
                     queued += j.uncached
                 decoded = t / step if t > 0 else 0.0
             rem = j.out_tokens - decoded
-            rems.append((rem if rem > 1.0 else 1.0, j.kv_tokens))
-        return queued, rems
+            if rem < 1.0:
+                rem = 1.0
+            part = rem if rem < d else d
+            shared += part
+            if below is not None and j.priority is not None and j.priority < below:
+                low_shared += part
+                low_n += 1
+            if keep:
+                rems.append((rem, j.kv_tokens))
+        return queued, rems, shared, low_shared, low_n
 
     def shared_load(self, backend: Backend) -> tuple[float, float, float]:
         m = self.models.get(backend)
         if m is None or not m.inflight:
             return 0.0, 0.0, 0.0
         sigma = self.sigma(backend, self._fleet)
-        queued, rems = self._progress(m, self.clock(), sigma * (1.0 + self.gamma * m.batch()), sigma, self.rho)
-        return m.kv, sum(r for r, _ in rems), queued
+        queued, _, left, _, _ = self._progress(m, self.clock(), sigma * (1.0 + self.gamma * m.batch()), sigma, self.rho, keep=False)
+        return m.kv, left, queued
 
     @staticmethod
     def _wait_steps(m: BackendModel, rems: list[tuple[float, float]], kv_new: float, others: Sequence[tuple[float, float]] = (),
