@@ -694,6 +694,34 @@ def test_prefill_ahead_counts_the_prompts_of_those_in_flight_without_a_first_byt
             bal.completed(a, r, Outcome(status=200, ok=True, completion_tokens=50))
 
 
+def test_a_pick_after_the_queues_predict_reuses_its_estimates_and_picks_the_same():
+    """The queue predicts for every candidate, then binds: the pick takes the same estimates (the same
+    request and backends, nothing learnt or sent between) and chooses as a pick from scratch does."""
+    picks = []
+    for predict_first in (False, True):
+        clock = Clock()
+        bal = mel(clock, seed=5, slots=4, others_weight=1.5, others_load=0.5)
+        bs = backends("a", "b", "c")
+        for i, b in enumerate(bs):
+            set_sigma(bal, b, 0.02 + 0.01 * i)
+            load(bal, b, 4, out=100 + 50 * i)  # every batch full: the queue must predict
+        r = req(prompt=300, out=80)
+        if predict_first:
+            calls = []
+            estimate = bal._estimate
+            bal._estimate = lambda *a, **k: calls.append(a[0].id) or estimate(*a, **k)
+            preds = bal.predict(bs, r)
+            assert calls == ["a", "b", "c"] and all(p.wait > 0 for p in preds)
+            picked = bal.pick(bs, r)
+            assert calls == ["a", "b", "c"]  # no second estimate
+        else:
+            picked = bal.pick(bs, r)
+        picks.append((picked.id, r.picked[1]))
+        bal.dispatched(picked, r)
+        assert bal._memo is None
+    assert picks[0] == picks[1]
+
+
 def test_a_late_first_byte_teaches_nothing_beside_a_non_streamed_request():
     clock = Clock()
     bal = mel(clock)

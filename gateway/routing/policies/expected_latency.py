@@ -171,6 +171,9 @@ class ExpectedLatencyBalancer(Balancer):
         self.affinity_picks = 0  # picks where affinity overrode the minimum
         self.picks = 0
         self.lag = LoopLag()  # the gateway's own delay, which a late first byte must exceed to teach slots
+        # (req, candidates, fleet σ, estimates) of the last predict, for the pick that follows it in the same
+        # admission (the queue predicts, then binds); dropped by any event that changes what the model knows.
+        self._memo: tuple[RequestInfo, Sequence[Backend], float, list[tuple[Prediction, int]]] | None = None
 
     # -- state --------------------------------------------------------------------------------
     def _new_model(self) -> BackendModel:
@@ -198,10 +201,12 @@ class ExpectedLatencyBalancer(Balancer):
         return self.sizes[model]
 
     def forget(self, backend_id: str) -> None:
+        self._memo = None
         self.models.forget(backend_id)
 
     def learn_placements(self, backend: Backend, chains: Sequence[Sequence[int]], tokens: Sequence[int] | None = None) -> None:
         # Only the prefix memory: the other replica's load arrives as remote_in_flight and remote_kv.
+        self._memo = None
         # With each prompt's size, the memory evicts past the room as for a prompt placed here.
         m, now = self._model(backend), self.clock()
         room = self._room(backend, m, min(backend.models)) if tokens is not None and backend.models else None
@@ -346,7 +351,9 @@ class ExpectedLatencyBalancer(Balancer):
         now = self.clock()
         fleet = self.fleet_sigma(candidates)
         self._ramp_top(candidates, now)
-        return [self._estimate(b, req, now, fleet)[0] for b in candidates]
+        est = [self._estimate(b, req, now, fleet) for b in candidates]
+        self._memo = (req, candidates, fleet, est)
+        return [p for p, _ in est]
 
     def starts_at_once(self, backend: Backend, req: RequestInfo) -> bool:
         # The conditions under which _wait_steps is 0 for r (so _estimate's wait is 0), checked
@@ -440,12 +447,18 @@ class ExpectedLatencyBalancer(Balancer):
         if len(candidates) == 1:
             req.picked = (None, 0)
             return candidates[0]
-        now = self.clock()
         fleet = self._fleet = self.fleet_sigma(candidates)
-        self._ramp_top(candidates, now)
+        memo, self._memo = self._memo, None
+        if memo is not None and memo[0] is req and memo[1] is candidates and memo[2] == fleet:
+            # The queue's predict for this request and these backends, nothing learnt or sent since (the
+            # same synchronous admission, microseconds earlier): the same estimates, not made twice.
+            preds = [(p, depth, b) for (p, depth), b in zip(memo[3], candidates)]
+        else:
+            now = self.clock()
+            self._ramp_top(candidates, now)
+            preds = [(*self._estimate(b, req, now, fleet), b) for b in candidates]
         scored = []  # (the objective's score, prefix depth, backend)
         objective = self.config.objective
-        preds = [(*self._estimate(b, req, now, fleet), b) for b in candidates]
         if objective == "e2e_plus_ttft":
             # The person waits for the first token, then reads as it streams: TTFT weighs extra.
             w = self.config.ttft_weight
@@ -475,6 +488,7 @@ class ExpectedLatencyBalancer(Balancer):
         return choice[2]
 
     def dispatched(self, backend: Backend, req: RequestInfo) -> None:
+        self._memo = None
         backend.in_flight += 1
         now = self.clock()
         m = self._model(backend)
@@ -504,6 +518,7 @@ class ExpectedLatencyBalancer(Balancer):
             self.placements.record(backend.id, req.prefix_keys, int(prompt))
 
     def first_byte(self, backend: Backend, req: RequestInfo, ttft: float) -> None:
+        self._memo = None
         m = self._model(backend)
         if id(req) not in m.inflight or not req.stream:
             return  # a non-streamed response's first byte is its end
@@ -546,6 +561,7 @@ class ExpectedLatencyBalancer(Balancer):
         m.full_at = batch
 
     def completed(self, backend: Backend, req: RequestInfo, outcome: Outcome) -> None:
+        self._memo = None
         m = self._model(backend)
         if id(req) not in m.inflight:
             return  # already completed: never count a request twice
@@ -609,6 +625,7 @@ class ExpectedLatencyBalancer(Balancer):
         self.gamma = num / den
 
     def observe_signals(self, backend: Backend, signals: Signals, changed: bool) -> None:
+        self._memo = None
         m = self._model(backend)
         m.signals = signals
         m.advance(self.clock())
