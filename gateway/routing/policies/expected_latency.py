@@ -544,7 +544,10 @@ class ExpectedLatencyBalancer(Balancer):
         sent before r, the others' sequences, and those that finished in the step that admitted r.
         Two such counts that agree set the slots; the gauges, 10 s apart, show a queue much later
         (in the replay 40 s into a 60-s trace on the fastest backend) or not at all. Not while the
-        KV cache is nearly full: then it may be KV room, not a slot, that r waited for."""
+        KV cache is nearly full: then it may be KV room, not a slot, that r waited for. Nor when the
+        gateway's own event loop ran about as late (``LoopLag``): a CPU-saturated gateway in front of an
+        instant backend learnt 3-5 slots from its own delays, then walked every request in flight per
+        admission and would have held requests back for a batch that did not exist."""
         step = sigma * (1.0 + self.gamma * m.batch())
         self.lag.arm()
         if ttft - 2.0 * self.rho * sigma * req.prefill_ahead - step - self.LAG_MARGIN * self.lag.lag() <= self.LATE_STEPS * step:
