@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
+import time
 
 import pytest
 
@@ -645,6 +647,79 @@ def test_first_bytes_that_waited_for_a_slot_teach_the_batch_size(late_ttft, kv_u
         clock.t += 0.5  # the next step admits the waiting one: its first byte comes a step later
         bal.first_byte(a, late, late_ttft)
     assert bal._model(a).slots == slots
+
+
+@pytest.mark.parametrize("blocked, slots", [(0.0, 4), (0.5, None)])
+async def test_first_bytes_the_gateway_itself_made_late_teach_no_slots(blocked, slots):
+    """The same engine with 4 slots, its late first bytes 1 s after their prefill. When the gateway's own
+    event loop ran that late (here: blocked for ``blocked`` s, as a CPU-saturated gateway is), the lateness
+    is the gateway's, not a wait for a batch slot: no batch size is learnt (it was learnt as 4 before)."""
+    clock = Clock()
+    bal = mel(clock)
+    (a,) = backends("a")
+    rs = [_stream(bal, a, clock) for _ in range(6)]
+    for r in rs[:4]:
+        bal.first_byte(a, r, 0.04)  # starts the lag monitor on this loop
+    time.sleep(blocked)
+    await asyncio.sleep(0.1)  # the lag monitor (a sample every 50 ms) sees how late the loop ran
+    for done, late in ((rs[0], rs[4]), (rs[1], rs[5])):
+        clock.t += 1.0
+        bal.completed(a, done, Outcome(status=200, ok=True, completion_tokens=50))
+        clock.t += 0.5
+        bal.first_byte(a, late, 1.0)
+    assert bal._model(a).slots == slots
+
+
+def test_prefill_ahead_counts_the_prompts_of_those_in_flight_without_a_first_byte():
+    """The prefill queued ahead of a new request, kept as requests start, show a first byte and finish, is
+    the sum over the requests in flight that have shown none (streamed or not), whatever the order."""
+    clock = Clock()
+    bal = mel(clock)
+    (a,) = backends("a")
+    rng = random.Random(3)
+    live: list[RequestInfo] = []
+    for _ in range(400):
+        clock.t += 0.01
+        op = rng.random()
+        if op < 0.45 or not live:
+            r = RequestInfo(model="m", stream=rng.random() < 0.7, prompt_tokens=rng.randint(1, 3000), max_tokens=50)
+            expected = sum(j.uncached for j in live if not j.first_byte_at)
+            bal.dispatched(a, r)
+            assert r.prefill_ahead == pytest.approx(expected + r.uncached, abs=1e-6)
+            live.append(r)
+        elif op < 0.75:
+            bal.first_byte(a, rng.choice(live), 0.05)
+        else:
+            r = live.pop(rng.randrange(len(live)))
+            bal.completed(a, r, Outcome(status=200, ok=True, completion_tokens=50))
+
+
+def test_a_pick_after_the_queues_predict_reuses_its_estimates_and_picks_the_same():
+    """The queue predicts for every candidate, then binds: the pick takes the same estimates (the same
+    request and backends, nothing learnt or sent between) and chooses as a pick from scratch does."""
+    picks = []
+    for predict_first in (False, True):
+        clock = Clock()
+        bal = mel(clock, seed=5, slots=4, others_weight=1.5, others_load=0.5)
+        bs = backends("a", "b", "c")
+        for i, b in enumerate(bs):
+            set_sigma(bal, b, 0.02 + 0.01 * i)
+            load(bal, b, 4, out=100 + 50 * i)  # every batch full: the queue must predict
+        r = req(prompt=300, out=80)
+        if predict_first:
+            calls = []
+            estimate = bal._estimate
+            bal._estimate = lambda *a, **k: calls.append(a[0].id) or estimate(*a, **k)
+            preds = bal.predict(bs, r)
+            assert calls == ["a", "b", "c"] and all(p.wait > 0 for p in preds)
+            picked = bal.pick(bs, r)
+            assert calls == ["a", "b", "c"]  # no second estimate
+        else:
+            picked = bal.pick(bs, r)
+        picks.append((picked.id, r.picked[1]))
+        bal.dispatched(picked, r)
+        assert bal._memo is None
+    assert picks[0] == picks[1]
 
 
 def test_a_late_first_byte_teaches_nothing_beside_a_non_streamed_request():

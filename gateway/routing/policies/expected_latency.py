@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from typing import Any, Sequence
 
 from ...metrics import AFFINITY_PICKS
+from ..looplag import LoopLag
 from ..pool import Backend
 from ..prefix import PrefixMemory, key_tokens
 from ..signals import Signals, learn_slots
@@ -20,7 +22,7 @@ from .sizes import Sizes, SizesByModel
 class BackendModel:
     """What the expected-latency policy knows about one backend."""
 
-    __slots__ = ("full_at", "done", "inflight", "area", "area_t", "w", "sn", "sy", "fit", "ext", "remote", "remote_max", "if_max", "slots", "kv", "kv_capacity", "prefixes", "signals")
+    __slots__ = ("full_at", "done", "inflight", "area", "area_t", "w", "sn", "sy", "fit", "ext", "remote", "remote_max", "if_max", "slots", "kv", "kv_capacity", "prefixes", "signals", "prefilling")
 
     def __init__(self, now: float, prefixes: PrefixMemory):
         self.inflight: dict[int, RequestInfo] = {}  # requests this gateway has on it
@@ -41,6 +43,7 @@ class BackendModel:
         self.full_at = 0  # sequences on the backend at the last sign of a full batch (a slot is learnt when two agree)
         self.done: list[float] = []  # when the last few of ours completed
         self.kv = 0.0  # KV tokens our in-flight requests will hold (prompt + output each)
+        self.prefilling = 0.0  # uncached prompt tokens of ours in flight with no first byte seen: kept, not summed per dispatch
         self.kv_capacity: float | None = None  # the engine's KV cache in tokens, from gpu_cache_usage_perc
         self.prefixes = prefixes
         self.signals: Signals | None = None  # the last poll of its /metrics
@@ -153,6 +156,7 @@ class ExpectedLatencyBalancer(Balancer):
     GAMMA_PRIOR = 50.0  # the prior γ weighs as much as n̄ spread by ±1.6 over 20 completions
     MIN_RAMP = 0.1
     LATE_STEPS = 3  # a first byte this many decode steps past twice its predicted prefill waited for a slot
+    LAG_MARGIN = 4.0  # ... past this many times the gateway's own event-loop lag, too (a first byte crosses a few loop turns)
     MAX_LOAD = 0.9  # the slot load u at which others_load's u/(1-u) stops growing (9x)
 
     def __init__(self, *args: Any, **kwargs: Any):
@@ -166,6 +170,10 @@ class ExpectedLatencyBalancer(Balancer):
         self._top = 1.0  # the candidates' highest slow-start ramp at the last estimate
         self.affinity_picks = 0  # picks where affinity overrode the minimum
         self.picks = 0
+        self.lag = LoopLag()  # the gateway's own delay, which a late first byte must exceed to teach slots
+        # (req, candidates, fleet σ, estimates) of the last predict, for the pick that follows it in the same
+        # admission (the queue predicts, then binds); dropped by any event that changes what the model knows.
+        self._memo: tuple[RequestInfo, Sequence[Backend], float, list[tuple[Prediction, int]]] | None = None
 
     # -- state --------------------------------------------------------------------------------
     def _new_model(self) -> BackendModel:
@@ -193,10 +201,12 @@ class ExpectedLatencyBalancer(Balancer):
         return self.sizes[model]
 
     def forget(self, backend_id: str) -> None:
+        self._memo = None
         self.models.forget(backend_id)
 
     def learn_placements(self, backend: Backend, chains: Sequence[Sequence[int]], tokens: Sequence[int] | None = None) -> None:
         # Only the prefix memory: the other replica's load arrives as remote_in_flight and remote_kv.
+        self._memo = None
         # With each prompt's size, the memory evicts past the room as for a prompt placed here.
         m, now = self._model(backend), self.clock()
         room = self._room(backend, m, min(backend.models)) if tokens is not None and backend.models else None
@@ -266,10 +276,10 @@ class ExpectedLatencyBalancer(Balancer):
         n = m.batch()
         step = sigma * (1.0 + g * n)
         rho = self.rho  # a property: once per estimate, not once per request in flight
-        queued, rems = self._progress(m, now, step, sigma, rho)  # rems: (output tokens left, KV held) of each of ours
-        shared = 0.0
-        for rem, _ in rems:
-            shared += rem if rem < d else d
+        # rems: (output tokens left, KV held) of each of ours, needed only for _wait_steps: nothing to wait
+        # for without known slots or KV capacity. One pass over those in flight, for every candidate of every pick.
+        below = req.priority if self.config.others_weight else None
+        queued, rems, shared, low_shared, low_n = self._progress(m, now, step, sigma, rho, d, below, m.slots is not None or m.kv_capacity is not None)
         sizes = self._sizes(req.model)
         # Others' sequences on b: the other gateway replicas' (the load exchange, 50 ms old at most)
         # and what its /metrics shows beyond every replica's. The replicas say what their requests
@@ -302,24 +312,22 @@ class ExpectedLatencyBalancer(Balancer):
             # there, the more later arrivals wait for one or share its steps. u/(1-u) is the mean
             # queue of a server busy u of the time; capped, as W_b and the queue term below count
             # a full batch themselves.
-            u = min(self.MAX_LOAD, (len(rems) + ext + 1) / m.slots)
+            u = min(self.MAX_LOAD, (len(m.inflight) + ext + 1) / m.slots)
             others *= 1.0 + self.config.others_load * u / (1.0 - u)
         if others:
             o_shared, o_n = shared, n
-            if req.priority is not None:
+            if low_n:
                 # Only the others of r's class or above count: a lower class's sequences (a batch
                 # flood) do not push an interactive request onto fewer backends to spare them.
-                low = [min(rem, d) for j, (rem, _) in zip(m.inflight.values(), rems) if j.priority is not None and j.priority < req.priority]
-                if low:
-                    o_shared -= sum(low)
-                    o_n = max(0.0, n - len(low))
+                o_shared -= low_shared
+                o_n = max(0.0, n - low_n)
             # What r costs the requests already there: σγ more per step they share, and, when the
             # batch is full, its decode time spread over the slots for each one queued behind it.
             lat += others * sigma * g * o_shared
             # r's prefill runs inside a step of the whole batch: every sequence decoding there waits
             # for it. A prefix-cache hit is worth this much to the others, not just to r.
             lat += others * rho * sigma * uncached * min(o_n, m.slots or o_n)
-            behind = len(rems) + 1 - m.slots if m.slots is not None else 0
+            behind = len(m.inflight) + 1 - m.slots if m.slots is not None else 0
             if behind > 0:
                 lat += others * behind * d * step / m.slots
         # The first token comes after the wait for a slot (the prefill queue drains meanwhile), r's
@@ -334,7 +342,7 @@ class ExpectedLatencyBalancer(Balancer):
             pen = self.config.kv_penalty * k / (1.0 - k)
             lat += pen
             ttft += pen
-        free = m.slots - len(rems) - ext if m.slots is not None else float("inf")
+        free = m.slots - len(m.inflight) - ext if m.slots is not None else float("inf")
         return Prediction(ttft=ttft, e2e=lat, wait=wait_s / ramp, slots=m.slots, free=free, prefill_ahead=rho * sigma * queued / ramp), depth
 
     def predict(self, candidates: Sequence[Backend], req: RequestInfo) -> list[Prediction]:
@@ -343,7 +351,9 @@ class ExpectedLatencyBalancer(Balancer):
         now = self.clock()
         fleet = self.fleet_sigma(candidates)
         self._ramp_top(candidates, now)
-        return [self._estimate(b, req, now, fleet)[0] for b in candidates]
+        est = [self._estimate(b, req, now, fleet) for b in candidates]
+        self._memo = (req, candidates, fleet, est)
+        return [p for p, _ in est]
 
     def starts_at_once(self, backend: Backend, req: RequestInfo) -> bool:
         # The conditions under which _wait_steps is 0 for r (so _estimate's wait is 0), checked
@@ -358,10 +368,14 @@ class ExpectedLatencyBalancer(Balancer):
                 return False
         return True
 
-    def _progress(self, m: BackendModel, now: float, step: float, sigma: float, rho: float) -> tuple[float, list[tuple[float, float]]]:
-        """(uncached prompt tokens of b's requests still in prefill, (output tokens left, KV held) of each of ours)."""
-        queued = 0.0
+    def _progress(self, m: BackendModel, now: float, step: float, sigma: float, rho: float, d: float = math.inf, below: int | None = None,
+                  keep: bool = True) -> tuple[float, list[tuple[float, float]], float, float, int]:
+        """(uncached prompt tokens of b's requests still in prefill, (output tokens left, KV held) of each of ours
+        (with ``keep``), Σ min(left, d) over ours, and that sum and count over those of a class below ``below``)."""
+        queued = shared = low_shared = 0.0
+        low_n = 0
         rems: list[tuple[float, float]] = []
+        rs = rho * sigma  # (rho * sigma) * x, as written out before: the same rounding
         for j in m.inflight.values():
             if j.first_byte_at:
                 decoded = (now - j.first_byte_at) / step
@@ -369,21 +383,29 @@ class ExpectedLatencyBalancer(Balancer):
                 queued += j.uncached
                 decoded = 0.0
             else:  # a non-streamed response shows no first byte: assume its prefill took the estimate
-                t = now - j.dispatched_at - rho * sigma * j.prefill_ahead
+                t = now - j.dispatched_at - rs * j.prefill_ahead
                 if t < 0:
                     queued += j.uncached
                 decoded = t / step if t > 0 else 0.0
             rem = j.out_tokens - decoded
-            rems.append((rem if rem > 1.0 else 1.0, j.kv_tokens))
-        return queued, rems
+            if rem < 1.0:
+                rem = 1.0
+            part = rem if rem < d else d
+            shared += part
+            if below is not None and j.priority is not None and j.priority < below:
+                low_shared += part
+                low_n += 1
+            if keep:
+                rems.append((rem, j.kv_tokens))
+        return queued, rems, shared, low_shared, low_n
 
     def shared_load(self, backend: Backend) -> tuple[float, float, float]:
         m = self.models.get(backend)
         if m is None or not m.inflight:
             return 0.0, 0.0, 0.0
         sigma = self.sigma(backend, self._fleet)
-        queued, rems = self._progress(m, self.clock(), sigma * (1.0 + self.gamma * m.batch()), sigma, self.rho)
-        return m.kv, sum(r for r, _ in rems), queued
+        queued, _, left, _, _ = self._progress(m, self.clock(), sigma * (1.0 + self.gamma * m.batch()), sigma, self.rho, keep=False)
+        return m.kv, left, queued
 
     @staticmethod
     def _wait_steps(m: BackendModel, rems: list[tuple[float, float]], kv_new: float, others: Sequence[tuple[float, float]] = (),
@@ -425,12 +447,18 @@ class ExpectedLatencyBalancer(Balancer):
         if len(candidates) == 1:
             req.picked = (None, 0)
             return candidates[0]
-        now = self.clock()
         fleet = self._fleet = self.fleet_sigma(candidates)
-        self._ramp_top(candidates, now)
+        memo, self._memo = self._memo, None
+        if memo is not None and memo[0] is req and memo[1] is candidates and memo[2] == fleet:
+            # The queue's predict for this request and these backends, nothing learnt or sent since (the
+            # same synchronous admission, microseconds earlier): the same estimates, not made twice.
+            preds = [(p, depth, b) for (p, depth), b in zip(memo[3], candidates)]
+        else:
+            now = self.clock()
+            self._ramp_top(candidates, now)
+            preds = [(*self._estimate(b, req, now, fleet), b) for b in candidates]
         scored = []  # (the objective's score, prefix depth, backend)
         objective = self.config.objective
-        preds = [(*self._estimate(b, req, now, fleet), b) for b in candidates]
         if objective == "e2e_plus_ttft":
             # The person waits for the first token, then reads as it streams: TTFT weighs extra.
             w = self.config.ttft_weight
@@ -460,6 +488,7 @@ class ExpectedLatencyBalancer(Balancer):
         return choice[2]
 
     def dispatched(self, backend: Backend, req: RequestInfo) -> None:
+        self._memo = None
         backend.in_flight += 1
         now = self.clock()
         m = self._model(backend)
@@ -474,8 +503,8 @@ class ExpectedLatencyBalancer(Balancer):
         req.uncached = max(0.0, prompt - key_tokens(depth))
         req.kv_tokens = prompt + req.out_tokens
         m.kv += req.kv_tokens
-        queued = sum(j.uncached for j in m.inflight.values() if not j.first_byte_at)
-        req.prefill_ahead = queued + req.uncached
+        req.prefill_ahead = (m.prefilling if m.prefilling > 0.0 else 0.0) + req.uncached  # (rounding may leave -1e-13)
+        m.prefilling += req.uncached
         req.dispatched_at = now
         req.first_byte_at = 0.0
         req.area_at = m.area
@@ -489,11 +518,14 @@ class ExpectedLatencyBalancer(Balancer):
             self.placements.record(backend.id, req.prefix_keys, int(prompt))
 
     def first_byte(self, backend: Backend, req: RequestInfo, ttft: float) -> None:
+        self._memo = None
         m = self._model(backend)
         if id(req) not in m.inflight or not req.stream:
             return  # a non-streamed response's first byte is its end
         now = self.clock()
         m.advance(now)
+        if not req.first_byte_at and now:
+            m.prefilling -= req.uncached
         req.first_byte_at = now
         req.area_at = m.area
         sigma = self.sigma(backend, self._fleet)
@@ -512,10 +544,14 @@ class ExpectedLatencyBalancer(Balancer):
         sent before r, the others' sequences, and those that finished in the step that admitted r.
         Two such counts that agree set the slots; the gauges, 10 s apart, show a queue much later
         (in the replay 40 s into a 60-s trace on the fastest backend) or not at all. Not while the
-        KV cache is nearly full: then it may be KV room, not a slot, that r waited for."""
+        KV cache is nearly full: then it may be KV room, not a slot, that r waited for. Nor when the
+        gateway's own event loop ran about as late (``LoopLag``): a CPU-saturated gateway in front of an
+        instant backend learnt 3-5 slots from its own delays, then walked every request in flight per
+        admission and would have held requests back for a batch that did not exist."""
         step = sigma * (1.0 + self.gamma * m.batch())
-        if ttft - 2.0 * self.rho * sigma * req.prefill_ahead - step <= self.LATE_STEPS * step:
-            return
+        self.lag.arm()
+        if ttft - 2.0 * self.rho * sigma * req.prefill_ahead - step - self.LAG_MARGIN * self.lag.lag() <= self.LATE_STEPS * step:
+            return  # not late, or no later than the gateway's own event loop made it
         if m.kv_capacity is not None and m.kv >= 0.8 * m.kv_capacity or m.signals is not None and m.signals.kv_usage >= 0.8:
             return
         if not all(j.stream for j in m.inflight.values()):
@@ -528,6 +564,7 @@ class ExpectedLatencyBalancer(Balancer):
         m.full_at = batch
 
     def completed(self, backend: Backend, req: RequestInfo, outcome: Outcome) -> None:
+        self._memo = None
         m = self._model(backend)
         if id(req) not in m.inflight:
             return  # already completed: never count a request twice
@@ -538,6 +575,7 @@ class ExpectedLatencyBalancer(Balancer):
         if len(m.done) > 8:
             del m.done[0]
         m.kv = max(0.0, m.kv - req.kv_tokens) if m.inflight else 0.0
+        m.prefilling = (m.prefilling - req.uncached if not req.first_byte_at else m.prefilling) if m.inflight else 0.0
         backend.in_flight -= 1
         if outcome.ok:
             self._sizes(req.model).learn(req, outcome)
@@ -590,6 +628,7 @@ class ExpectedLatencyBalancer(Balancer):
         self.gamma = num / den
 
     def observe_signals(self, backend: Backend, signals: Signals, changed: bool) -> None:
+        self._memo = None
         m = self._model(backend)
         m.signals = signals
         m.advance(self.clock())
