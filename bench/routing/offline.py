@@ -229,6 +229,8 @@ def replay(policy: str, speeds: list[float], trace, params: SimParams, cfg: Bala
     # from the sims' own times to the client's); the balancer learns from the delayed times, as on sockets.
     loop = Loop()
     spec = policy
+    if spec.startswith("smg:") and spec != "smg:cache_aware":
+        raise SystemExit(f"{spec}: the replay has a copy of smg:cache_aware only; run the binary's other policies on sockets (python -m bench.routing)")
     policy, cfg = (spec, cfg) if spec == "smg:cache_aware" else policy_spec(spec, cfg)
     n = replicas
 
@@ -457,7 +459,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.routing.offline", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fleets", default="heterogeneous,homogeneous")
     ap.add_argument("--loads", default="0.6,0.8,0.95")
-    ap.add_argument("--policies", default=",".join(POLICIES))
+    # smg:least_load is the binary's own policy, with no copy here (smg:cache_aware has one)
+    ap.add_argument("--policies", default=",".join(p for p in POLICIES if p != "smg:least_load"))
     ap.add_argument("--duration", type=float, default=120.0)
     ap.add_argument("--seeds", default="7")
     ap.add_argument("--shared", type=float, default=0.5)
