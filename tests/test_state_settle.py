@@ -94,3 +94,41 @@ def test_settles_are_split_into_calls_of_at_most_a_chunk(n: int):
     s = Settle(b"t", 0, 0, b"cc", "l", b"", 0, -1, b"u", "h|m", 1, 1, False, True, 60)
     calls: list[tuple[list[bytes], list[Any], list[Settle]]] = settle_calls([s] * n)
     assert [len(carried) for _, _, carried in calls] == [CHUNK] * (n // CHUNK) + ([n % CHUNK] if n % CHUNK else [])
+
+
+async def test_settles_ride_on_the_next_admission_and_go_alone_only_when_none_comes(redis_server):
+    """A settle waits for the next admission's write (one write for both); only one that waited
+    ``flush_every`` for none is sent on its own, and then it is counted all the same."""
+    import asyncio
+
+    store = _store(redis_server.url)
+    store.flush_every = 0.3  # longer than any gap between this loop's admissions
+    await store.start()
+    key = ApiKeyConfig(name="a", hash=hash_key(new_key()), rate_limit_tpm=10_000_000, max_concurrent=10_000)
+    alone = 0
+    eval_many = store._eval_many
+
+    async def counting(op: str, calls: Any) -> list[Any]:
+        nonlocal alone
+        alone += op == "settle"
+        return await eval_many(op, calls)
+
+    store._eval_many = counting  # type: ignore[method-assign]  # counts, and runs the real call
+    try:
+        n = 40
+        for _ in range(n):
+            adm = await store.admit(key, MODEL, 5, 10)
+            assert not isinstance(adm, Exception) and adm.shared, adm
+            store.settle(adm, _Outcome(3, 2))
+            await asyncio.sleep(0.002)
+        assert alone == 0  # every settle but the last rode on an admission
+        for _ in range(100):  # the last goes alone, within flush_every
+            if alone:
+                break
+            await asyncio.sleep(0.02)
+        assert alone == 1 and not store._pending
+        rows = await store.usage(key.hash)
+        assert [(r.requests, r.prompt_tokens, r.completion_tokens) for r in rows] == [(n, 3 * n, 2 * n)]
+        assert await store.r.zcard(store._lease_key(key)) == 0
+    finally:
+        await store.close()

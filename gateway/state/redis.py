@@ -53,7 +53,7 @@ T = TypeVar("T")
 
 MAX_PENDING = 100_000  # settles waiting for Redis; beyond it the oldest usage is dropped (and counted)
 DROP_WARN_EVERY = 10.0  # seconds between warnings about dropped settles (one per outage, then a reminder)
-FLUSH_EVERY = 0.005  # seconds: how long settles gather before one pipeline carries them
+FLUSH_EVERY = 0.005  # seconds: the longest a settle waits for an admission write to ride on before it goes alone
 DOWN_FOR = 1.0  # seconds a failure keeps requests on the local fallback before Redis is tried again
 
 # KEYS: rpm log, tpm bucket, lease set, budget counter
@@ -257,6 +257,8 @@ class RedisStore(StateStore):
         self._down_until = 0.0
         self.degraded = False
         self._pending: deque[Settle] = deque()
+        self._pending_since = 0.0  # when the oldest settle waiting (if any) arrived (time.monotonic)
+        self.flush_every = FLUSH_EVERY
         self.max_pending = MAX_PENDING
         self._dropped_warned = 0.0
         self._admits: list[tuple[bytes, asyncio.Future[Any]]] = []  # (packed EVALSHA, its future)
@@ -611,7 +613,9 @@ class RedisStore(StateStore):
             self._budget_key(key) if budget else b"", used, period_seconds_left(key.budget_period, now) if budget else -1,
             usage_key, f"{key.hash[7:]}|{adm.model}", prompt, completion, estimated, counted, self.cfg.usage_retention_days * 86400,
         )
-        if len(self._pending) >= self.max_pending:
+        if not self._pending:
+            self._pending_since = time.monotonic()
+        elif len(self._pending) >= self.max_pending:
             self._pending.popleft()
             self._dropped(1)
         self._pending.append(settle)
@@ -641,6 +645,8 @@ class RedisStore(StateStore):
         room = max(0, self.max_pending - len(self._pending))
         if room < len(batch):
             self._dropped(len(batch) - room)
+        if not self._pending:
+            self._pending_since = time.monotonic()
         self._pending.extendleft(reversed(batch[len(batch) - room :]))
         self._wake.set()
 
@@ -672,7 +678,14 @@ class RedisStore(StateStore):
         while not self._closing:
             await self._wake.wait()
             self._wake.clear()
-            await asyncio.sleep(FLUSH_EVERY)  # let the settles of this moment gather into one pipeline
+            # Settles ride on the next admission write (_send_admits takes them all); only those that waited
+            # FLUSH_EVERY for none go on their own. Under load an admission always comes first: no write of
+            # their own (it was one every FLUSH_EVERY per process, each a syscall pair and a wake-up).
+            while self._pending and not self._closing:
+                wait = self._pending_since + self.flush_every - time.monotonic()
+                if wait <= 0:
+                    break
+                await asyncio.sleep(wait)
             if self._down():
                 await asyncio.sleep(max(0.0, self._down_until - time.monotonic()))
             try:
