@@ -257,6 +257,8 @@ class RedisStore(StateStore):
         self._down_until = 0.0
         self.degraded = False
         self._pending: deque[Settle] = deque()
+        # The loop, kept: on 3.11 asyncio.get_running_loop() is a getpid() syscall each call (fork check).
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._pending_since = 0.0  # when the oldest settle waiting (if any) arrived (time.monotonic)
         self.flush_every = FLUSH_EVERY
         self.max_pending = MAX_PENDING
@@ -474,7 +476,9 @@ class RedisStore(StateStore):
             r = b"%d" % reserve
             lid = lease.encode()
             packed = b"%s$%d\r\n%s\r\n$%d\r\n%s\r\n" % (self._admit_head(key), len(r), r, len(lid), lid)
-            loop = asyncio.get_running_loop()
+            loop = self._loop
+            if loop is None:
+                loop = self._loop = asyncio.get_running_loop()
             fut: asyncio.Future[Any] = loop.create_future()
             self._admits.append((packed, fut))
             if len(self._admits) == 1:

@@ -68,11 +68,15 @@ class RespPipe:
         self._waiting: deque[tuple[asyncio.Future[list[Any]] | None, int, list[Any], float]] = deque()  # None: the handshake
         self._timer: asyncio.TimerHandle | None = None
         self._closed = False
+        # The loop of the first request, kept: on 3.11 asyncio.get_running_loop() is a getpid() syscall each call.
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- requests ----------------------------------------------------------------------------------
     def request(self, packed: bytes, n: int) -> asyncio.Future[list[Any]]:
         """Send ``n`` packed commands in one write; the future gets their ``n`` replies, in order."""
-        loop = asyncio.get_running_loop()
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
         fut: asyncio.Future[list[Any]] = loop.create_future()
         if self._closed:
             fut.set_exception(ConnectionError("the Redis connection is closed"))
