@@ -150,6 +150,8 @@ def test_what_a_replicas_requests_hold_reaches_the_other_and_a_bad_entry_is_skip
                 "sim-1": "7", "sim-0": "-5", KV_FIELD + "sim-0": "9" * 14, KV_FIELD + "sim-1": "abc", "x" * 2000: "1"})
             await b.r.zadd(f"{prefix}:replicas", {"flood": time.time() + 60})
             await b.r.hset(f"{prefix}:load:flood", mapping={f"f{i}": 1 for i in range(MAX_LOAD_FIELDS + 1)} | {"sim-0": 50})
+            await b.r.zadd(f"{prefix}:replicas", {"wrongtype": time.time() + 60})
+            await b.r.set(f"{prefix}:load:wrongtype", "not a hash")  # neither stops the exchange nor takes Redis for down
             a.local_load = lambda: load_entry(mine, bal)
             b.local_load = lambda: load_entry(theirs, None)
             b.on_load = lambda totals: apply_load(theirs, totals)
@@ -158,6 +160,7 @@ def test_what_a_replicas_requests_hold_reaches_the_other_and_a_bad_entry_is_skip
             # 2 x (300 + 100) KV, 2 x 100 to decode, 2 x 300 to prefill (no first byte yet)
             assert (theirs[0].remote_in_flight, theirs[0].remote_kv, theirs[0].remote_decode, theirs[0].remote_prefill) == (2, 800, 200, 600)
             assert (theirs[1].remote_in_flight, theirs[1].remote_kv) == (7, 0)  # the intruder's one valid field
+            assert not a.degraded and not b.degraded
             for r in list(bal.models(mine[0]).inflight.values()):
                 bal.completed(mine[0], r, Outcome(status=200, ok=False))
             await a.exchange_load()

@@ -191,7 +191,10 @@ if #ARGV > 3 then
 end
 local out = {}
 for _, m in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
-  if m ~= ARGV[2] then out[#out + 1] = redis.call('HGETALL', ARGV[3] .. m) end
+  if m ~= ARGV[2] then
+    local v = redis.pcall('HGETALL', ARGV[3] .. m) -- not a hash (someone else's write): skipped, as a bad field is
+    if v.err == nil then out[#out + 1] = v end
+  end
 end
 return out
 """
@@ -251,7 +254,7 @@ class RedisStore(StateStore):
         self._admit = self.r.register_script(ADMIT)
         self._settle_many = self.r.register_script(SETTLE_MANY)
         self._renew = self.r.register_script(RENEW)
-        self._exchange = self.r.register_script(LOAD_EXCHANGE)
+        self._exchange_script = self.r.register_script(LOAD_EXCHANGE)
         self.fallback = LocalLimiter()
         self.replicas = 1  # live replicas last seen; the fallback divides limits by it
         self._down_until = 0.0
@@ -527,7 +530,7 @@ class RedisStore(StateStore):
         raise AssertionError("unreachable")
 
     async def _load_scripts(self) -> None:
-        for script in (self._admit, self._settle_many, self._renew, self._exchange):
+        for script in (self._admit, self._settle_many, self._renew, self._exchange_script):
             script.sha = await self._call("script_load", self.r.script_load(script.script))
 
     async def _send_raw(self, packed: bytes, n: int) -> list[Any]:
@@ -717,15 +720,8 @@ class RedisStore(StateStore):
             held = list(self._leases.values())
             keys = [k for k, _ in held]
             pipe.evalsha(self._renew.sha, len(keys), *keys, ttl_ms, *[lid for _, lid in held])
-        load_key = f"{self._p}:load:{self.replica}"
-        local = self.local_load() if self.local_load is not None else {}
-        if local:
-            pipe.delete(load_key)
-            pipe.hset(load_key, mapping=local)
-            pipe.pexpire(load_key, ttl_ms)
-        else:
-            pipe.delete(load_key)
-        pipe.zrange(replicas, 0, -1)
+        if self.local_load is None:
+            pipe.delete(f"{self._p}:load:{self.replica}")
         res = await self._call("heartbeat", pipe.execute(raise_on_error=False))
         if any(isinstance(r, NoScriptError) for r in res):  # a restarted Redis: load the scripts again
             await self._load_scripts()
@@ -735,14 +731,12 @@ class RedisStore(StateStore):
             self._mark_down("heartbeat")
             raise errors[0]
         self.replicas = max(1, int(res[2]))
-        others = [m.decode() if isinstance(m, bytes) else m for m in res[-1]]
-        others = [m for m in others if m != self.replica]
-        if self.local_load is not None and others:
-            self.load = _sum_loads(await self._call("load", _hgetall_many(self.r, [f"{self._p}:load:{m}" for m in others])))
+        if self.local_load is not None:
+            await self._exchange(None)  # this replica's load written and the others' read, as every load_interval
         else:
             self.load = {}
-        if self.on_load is not None:
-            self.on_load(self.load)
+            if self.on_load is not None:
+                self.on_load(self.load)
         was_degraded = self.degraded
         self._mark_up()
         if was_degraded:
@@ -766,10 +760,13 @@ class RedisStore(StateStore):
         dropped while Redis is down."""
         if self.local_load is None or self._closing or self._down():
             return
+        await self._exchange(publish)
+
+    async def _exchange(self, publish: tuple[str, bytes] | None) -> None:
         args: list[Any] = [int(self.cfg.lease_ttl * 1000), self.replica, f"{self._p}:load:"]
         for field, n in self.local_load().items():
             args += (field, n)
-        packed = self._pack([(self._exchange, [f"{self._p}:load:{self.replica}".encode(), f"{self._p}:replicas".encode()], args)])
+        packed = self._pack([(self._exchange_script, [f"{self._p}:load:{self.replica}".encode(), f"{self._p}:replicas".encode()], args)])
         n = 1
         if publish is not None:
             packed += pack(b"PUBLISH", publish[0].encode(), publish[1])
@@ -844,13 +841,6 @@ def _sum_loads(mappings: list[dict[Any, Any]]) -> dict[str, int]:
             if 0 <= n <= MAX_LOAD_VALUE:
                 total[f] = total.get(f, 0) + n
     return total
-
-
-async def _hgetall_many(r: Any, keys: list[str]) -> list[dict[Any, Any]]:
-    pipe = r.pipeline(transaction=False)
-    for k in keys:
-        pipe.hgetall(k)
-    return await pipe.execute()
 
 
 def _pairs(entry: Any) -> dict[Any, Any] | None:
