@@ -45,7 +45,7 @@ from .keys import key_from_record, key_to_record
 from .limits import Admission, Decision, LocalLimiter, current_period_id, period_seconds_left
 from .memory import merge_rows
 from .resp import ReplyError, RespPipe, pack
-from .settle import SETTLE_MANY, Settle, settle_calls
+from .settle import SETTLE_MANY, STORE_TPM, Settle, settle_calls
 
 log = logging.getLogger("gateway.state.redis")
 
@@ -71,9 +71,8 @@ DOWN_FOR = 1.0  # seconds a failure keeps requests on the local fallback before 
 #   expiry was set to M + 120 s. While M is in the window every entry is younger than M + 60 s, so the
 #   log outlives its newest entry by 60 s; once M leaves the window (popped) the oldest entry left is
 #   marked, or the next admission's if none is left, and the expiry set again: once a minute per key.
-# - the tpm bucket stores its expiry ('e'), set to 240 s ahead only when under 120 s are left: the
-#   bucket still outlives its last update by 120 s, as when every update set 120 s (SETTLE_MANY too).
-ADMIT = """
+# - the tpm bucket stores its expiry ('e'): see STORE_TPM (settle.py), shared with SETTLE_MANY.
+ADMIT = STORE_TPM + """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local rpm = tonumber(ARGV[1])
@@ -155,12 +154,7 @@ if rpm > 0 then
 end
 if tpm > 0 then
   k = k - reserve
-  if e and e - now >= 120000 then
-    redis.call('HSET', KEYS[2], 'l', tostring(k), 't', now)
-  else
-    redis.call('HSET', KEYS[2], 'l', tostring(k), 't', now, 'e', now + 240000)
-    redis.call('PEXPIRE', KEYS[2], 240000)
-  end
+  store_tpm(KEYS[2], k, e, now)
 end
 return {1, '', 0, tostring(r), tostring(k), reset}
 """

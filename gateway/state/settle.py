@@ -18,7 +18,21 @@ from typing import Any, NamedTuple
 
 CHUNK = 500  # settles per script call: bounds the script's run time and the Lua stack for unpack()
 
-SETTLE_MANY = """
+# A tpm bucket written back (ADMIT in redis.py and SETTLE_MANY both use it): its level and time, and
+# its expiry ('e') moved to 240 s ahead only when under 120 s are left, so it outlives its last update
+# by 120 s without a PEXPIRE on every update (each write command is ~1.3 us of Redis CPU).
+STORE_TPM = """
+local function store_tpm(key, level, expiry, now)
+  if expiry and expiry - now >= 120000 then
+    redis.call('HSET', key, 'l', tostring(level), 't', now)
+  else
+    redis.call('HSET', key, 'l', tostring(level), 't', now, 'e', now + 240000)
+    redis.call('PEXPIRE', key, 240000)
+  end
+end
+"""
+
+SETTLE_MANY = STORE_TPM + """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local k, i = 1, 2
@@ -33,13 +47,7 @@ for _ = 1, tonumber(ARGV[1]) do -- tpm buckets: tpm, n, then n amounts to give b
       l = l + tonumber(ARGV[j])
       if l > tpm then l = tpm end
     end
-    local e = tonumber(v[3]) -- the bucket's expiry, kept 120 s or more ahead as ADMIT does (redis.py)
-    if e and e - now >= 120000 then
-      redis.call('HSET', KEYS[k], 'l', tostring(l), 't', now)
-    else
-      redis.call('HSET', KEYS[k], 'l', tostring(l), 't', now, 'e', now + 240000)
-      redis.call('PEXPIRE', KEYS[k], 240000)
-    end
+    store_tpm(KEYS[k], l, tonumber(v[3]), now)
   end
   k, i = k + 1, i + 2 + n
 end
