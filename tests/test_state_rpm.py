@@ -5,6 +5,7 @@ expiries of the log and of the tpm bucket, set once in a while rather than on ev
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 
 import pytest
@@ -25,18 +26,31 @@ def _store(url: str) -> RedisStore:
     return RedisStore(cfg)
 
 
+@contextlib.asynccontextmanager
+async def _started(url: str):
+    store = _store(url)
+    await store.start()
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
+async def _redis_ms(store: RedisStore) -> int:
+    """Redis's clock in ms, as the scripts read it (TIME)."""
+    sec, usec = await store.r.time()
+    return sec * 1000 + usec // 1000
+
+
 def _header(headers, name: bytes) -> bytes:
     return dict(headers)[name]
 
 
 async def test_the_window_drops_admissions_60_s_old_and_counts_and_resets_from_the_oldest_left(redis_server):
-    store = _store(redis_server.url)
-    await store.start()
-    key = ApiKeyConfig(name="k", hash=hash_key(new_key()), rate_limit_rpm=3)
-    log = store._names(key)[0]
-    try:
-        sec, usec = await store.r.time()
-        now = sec * 1000 + usec // 1000
+    async with _started(redis_server.url) as store:
+        key = ApiKeyConfig(name="k", hash=hash_key(new_key()), rate_limit_rpm=3)
+        log = store._names(key)[0]
+        now = await _redis_ms(store)
         # Four earlier admissions, oldest pushed first (the tail): 70 s and exactly 60 s old have left
         # the window (it holds the last 60 s, its start excluded); 50 s and 20 s old are in it. The
         # oldest is the log's refresh point (stored negated, see ADMIT).
@@ -59,34 +73,25 @@ async def test_the_window_drops_admissions_60_s_old_and_counts_and_resets_from_t
         assert 9000 <= retry_ms <= 10_000, retry_ms
         assert _header(refused.headers, b"x-ratelimit-remaining-requests") == b"0"
         assert await store.r.llen(log) == 3  # a refusal adds nothing
-    finally:
-        await store.close()
 
 
 async def test_the_log_never_holds_more_than_rpm_and_expires_with_its_window(redis_server):
-    store = _store(redis_server.url)
-    await store.start()
-    key = ApiKeyConfig(name="k", hash=hash_key(new_key()), rate_limit_rpm=5)
-    log = store._names(key)[0]
-    try:
+    async with _started(redis_server.url) as store:
+        key = ApiKeyConfig(name="k", hash=hash_key(new_key()), rate_limit_rpm=5)
+        log = store._names(key)[0]
         results = await asyncio.gather(*[store.admit(key, MODEL, 5, 10) for _ in range(40)])  # one pipelined batch
         assert sum(not isinstance(r, Refusal) for r in results) == 5
         assert await store.r.llen(log) == 5
         assert 60_000 < await store.r.pttl(log) <= 120_000  # an idle key's log goes once its window has passed
-    finally:
-        await store.close()
 
 
 async def test_a_refusal_that_pops_the_refresh_point_still_keeps_the_log_alive_for_its_window(redis_server):
     # Were the log left to expire on its old deadline (5 s here) with two admissions of the last 30 s
     # in it, a third would be admitted within the minute.
-    store = _store(redis_server.url)
-    await store.start()
-    key = ApiKeyConfig(name="k", hash=hash_key(new_key()), rate_limit_rpm=2)
-    log = store._names(key)[0]
-    try:
-        sec, usec = await store.r.time()
-        now = sec * 1000 + usec // 1000
+    async with _started(redis_server.url) as store:
+        key = ApiKeyConfig(name="k", hash=hash_key(new_key()), rate_limit_rpm=2)
+        log = store._names(key)[0]
+        now = await _redis_ms(store)
         for at in (-(now - 61_000), now - 30_000, now - 20_000):
             await store.r.lpush(log, at)
         await store.r.pexpire(log, 5_000)
@@ -95,23 +100,18 @@ async def test_a_refusal_that_pops_the_refresh_point_still_keeps_the_log_alive_f
         assert await store.r.llen(log) == 2
         assert int(await store.r.lindex(log, -1)) == -(now - 30_000)
         assert 110_000 < await store.r.pttl(log) <= 120_000
-    finally:
-        await store.close()
 
 
 async def test_the_tpm_bucket_outlives_its_last_update_by_120_s(redis_server):
     # Its expiry is set only when under 120 s of it are left (not on every update): a bucket that expired
     # early would read as full and let a key that ran over spend again.
-    store = _store(redis_server.url)
-    await store.start()
-    key = ApiKeyConfig(name="k", hash=hash_key(new_key()), rate_limit_tpm=1_000_000)
-    bucket = store._names(key)[1]
-    try:
+    async with _started(redis_server.url) as store:
+        key = ApiKeyConfig(name="k", hash=hash_key(new_key()), rate_limit_tpm=1_000_000)
+        bucket = store._names(key)[1]
         adm = await store.admit(key, MODEL, 5, 10)
         assert not isinstance(adm, Refusal) and adm.shared, adm
         assert 230_000 < await store.r.pttl(bucket) <= 240_000
-        sec, usec = await store.r.time()
-        now = sec * 1000 + usec // 1000
+        now = await _redis_ms(store)
         await store.r.hset(bucket, "e", now + 100_000)
         await store.r.pexpire(bucket, 100_000)
         store.settle(adm, type("Outcome", (), {"ok": True, "prompt_tokens": 5, "completion_tokens": 1})())
@@ -121,18 +121,12 @@ async def test_the_tpm_bucket_outlives_its_last_update_by_120_s(redis_server):
         await store.r.hset(bucket, "e", now + 100_000)
         assert not isinstance(await store.admit(key, MODEL, 5, 10), Refusal)
         assert 230_000 < await store.r.pttl(bucket) <= 240_000
-    finally:
-        await store.close()
 
 
 async def test_a_former_sorted_set_log_left_by_an_older_replica_does_not_break_admission(redis_server):
     # During a rolling upgrade the old replicas' rpm log (a sorted set) lives under the old name.
-    store = _store(redis_server.url)
-    await store.start()
-    key = ApiKeyConfig(name="k", hash=hash_key(new_key()), rate_limit_rpm=5)
-    try:
+    async with _started(redis_server.url) as store:
+        key = ApiKeyConfig(name="k", hash=hash_key(new_key()), rate_limit_rpm=5)
         await store.r.zadd(f"{store.cfg.prefix}:rl:{key.hash[7:]}:r", {"old.1": 1})
         adm = await store.admit(key, MODEL, 5, 10)
         assert not isinstance(adm, Refusal) and adm.shared, adm
-    finally:
-        await store.close()

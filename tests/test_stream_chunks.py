@@ -5,6 +5,7 @@ The bytes relayed are the bytes sent, and the stream's bounds (line, event) hold
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 
 import pytest
@@ -24,32 +25,46 @@ def chunked(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
-async def backend(pieces: list[bytes]):
-    """Answers one request with ``pieces``, each in its own write, a pause between them so that
-    each arrives in its own read."""
+async def read_request(reader: asyncio.StreamReader) -> None:
+    head = await reader.readuntil(b"\r\n\r\n")
+    await reader.readexactly(int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0]))
+
+
+@contextlib.asynccontextmanager
+async def serving(handler, max_line: int | None = None):
+    """A loopback backend running ``handler``, and a client for it: (client, url); both closed after."""
+    srv = await asyncio.start_server(handler, "127.0.0.1", 0)
+    up = NativeUpstream(TimeoutsConfig(first_byte=5, idle=5), UpstreamConfig() if max_line is None else UpstreamConfig(max_line_bytes=max_line))
+    try:
+        yield up, f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}/v1/chat/completions"
+    finally:
+        await up.aclose()
+        srv.close()
+        await srv.wait_closed()
+
+
+def backend(pieces: list[bytes]):
+    """A handler that answers one request with ``pieces``, each in its own write, a pause between
+    them so that each arrives in its own read."""
 
     async def serve(reader, writer):
-        head = await reader.readuntil(b"\r\n\r\n")
-        await reader.readexactly(int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0]))
+        await read_request(reader)
         for piece in pieces:
             writer.write(piece)
             await writer.drain()
             await asyncio.sleep(0.02)
         writer.close()
 
-    srv = await asyncio.start_server(serve, "127.0.0.1", 0)
-    return srv, f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}/v1/chat/completions"
+    return serve
 
 
 def relay(pieces: list[bytes], max_line: int = 4096) -> tuple[list[bytes], str | None]:
     """The chunks the client hands over, and the UpstreamInvalid reason if the stream was refused."""
 
     async def go():
-        srv, url = await backend(pieces)
-        up = NativeUpstream(TimeoutsConfig(first_byte=5, idle=5), UpstreamConfig(max_line_bytes=max_line))
         got: list[bytes] = []
         reason = None
-        try:
+        async with serving(backend(pieces), max_line) as (up, url):
             r = await up.open(url, b"{}", [])
             try:
                 async for chunk in r.chunks():
@@ -58,10 +73,6 @@ def relay(pieces: list[bytes], max_line: int = 4096) -> tuple[list[bytes], str |
                 reason = exc.reason
             finally:
                 await r.aclose()
-        finally:
-            await up.aclose()
-            srv.close()
-            await srv.wait_closed()
         return got, reason
 
     return asyncio.run(go())
@@ -170,29 +181,21 @@ def test_one_connection_carries_streams_and_sized_answers_in_turn():
             connections += 1
             try:
                 for answer in answers:
-                    head = await reader.readuntil(b"\r\n\r\n")
-                    await reader.readexactly(int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0]))
+                    await read_request(reader)
                     writer.write(answer)
                     await writer.drain()
                 await reader.read()
             finally:
                 writer.close()
 
-        srv = await asyncio.start_server(serve, "127.0.0.1", 0)
-        url = f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}/v1/chat/completions"
-        up = NativeUpstream(TimeoutsConfig(first_byte=5, idle=5))
         got = []
-        try:
+        async with serving(serve) as (up, url):
             for _ in answers:
                 r = await up.open(url, b"{}", [])
                 try:
                     got.append((r.status, await up.read_all(r)))
                 finally:
                     await r.aclose()
-        finally:
-            await up.aclose()
-            srv.close()
-            await srv.wait_closed()
         return got, connections
 
     got, connections = asyncio.run(go())
