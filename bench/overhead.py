@@ -27,7 +27,13 @@ like this (a separate, git-ignored venv; the imports pull torch):
         transformers uvicorn aiohttp requests prometheus_client pillow safetensors sentencepiece \
         tiktoken einops partial_json_parser openai pybase64 pyzmq cloudpickle protobuf psutil openai_harmony
 
-    python bench/overhead.py [--duration 5] [--targets direct,gateway,gateway[aiohttp]]
+    python bench/overhead.py [--duration 5] [--targets direct,gateway,gateway[aiohttp]] [--rounds 3]
+
+Every target is started first and paused while the others are measured; with --rounds N each
+(mode, concurrency) cell is measured N times, the targets taking turns, and the table gives medians,
+followed by each target's req/s and cpu/req ratios to SMG and to the lmdeploy proxy (median and range
+over the rounds): the comparison this shared 2-core machine allows, since its speed drifts by tens
+of percent within minutes.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import re
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -78,6 +85,7 @@ def process(argv: list[str], **kw):
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
+            os.killpg(proc.pid, signal.SIGCONT)  # a paused target (see main) handles its SIGTERM only once resumed
         try:
             proc.wait(10)
         except subprocess.TimeoutExpired:
@@ -186,6 +194,8 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=5.0, help="seconds per measurement")
     ap.add_argument("--targets", default="direct,gateway,gateway/uvicorn,gateway[aiohttp],lmdeploy-proxy")
     ap.add_argument("--concurrency", default="1,32")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="measure every target this many times, interleaved; the table gives medians and the ratios to the peers their range")
     local = ROOT / ".venv-lmdeploy" / "bin" / "lmdeploy"
     smg_local = ROOT / ".venv-smg" / "bin" / "smg"
     ap.add_argument("--smg", default=shutil.which("smg") or (str(smg_local) if smg_local.exists() else None),
@@ -196,7 +206,7 @@ def main() -> None:
     if shutil.which("wrk") is None:
         sys.exit("wrk is not installed (apt-get install wrk)")
     sys.path.insert(0, str(ROOT))
-    from gateway.filters.auth import hash_key, new_key
+    from gateway.filters.auth import new_key
 
     key = new_key()
     targets = args.targets.split(",")
@@ -217,77 +227,138 @@ def main() -> None:
     redis_pid = next((p for p in descendants(os.getpid()) if b"redis-server" in Path(f"/proc/{p}/cmdline").read_bytes()), None) if redis_port else None
     with outer, process([sys.executable, "bench/fake_backend.py", "--port", str(backend_port), "--model", MODEL]):
         wait_http(f"http://127.0.0.1:{backend_port}/health")
+        # Every target is started once and paused (SIGSTOP) while another is measured, so the
+        # measurements interleave: each round measures every target at one mode and concurrency
+        # in turn, and a drift in the shared machine's speed falls on all of them alike.
+        started: list[tuple[str, str, str | None, int | None]] = []
         for target in targets:
-            stack = contextlib.ExitStack()
-            pid = None
-            with stack:
-                if target == "direct":
-                    url, k = f"http://127.0.0.1:{backend_port}/v1/chat/completions", None
-                elif target.startswith("gateway+"):
-                    variant = target[len("gateway+"):]
-                    state = {} if variant == "memory" else {"redis_url": f"redis://127.0.0.1:{redis_port}/0", "prefix": "bench"}
-                    port = free_port()
-                    cfg = tmp / f"state-{variant}.yaml"
-                    gateway_config(cfg, backend_port, hash_key(key), "native", state=state)
-                    workers = ["--workers", "2"] if variant.endswith("-w2") else []
-                    pid = stack.enter_context(process([sys.executable, "-m", "gateway", "serve", "--config", str(cfg), "--port", str(port), *workers])).pid
-                    for _ in range(20):  # fresh connections reach every worker: all of them must be up
-                        wait_http(f"http://127.0.0.1:{port}/ready", timeout=60)
-                    url, k = f"http://127.0.0.1:{port}/v1/chat/completions", key
-                elif target.startswith("gateway"):
-                    name, _, http = target.partition("/")  # gateway[transport]/server
-                    transport = name[len("gateway["):-1] if "[" in name else "native"
-                    port = free_port()
-                    cfg = tmp / f"{transport}-{http or 'native'}.yaml"
-                    gateway_config(cfg, backend_port, hash_key(key), transport, http or "native")
-                    pid = stack.enter_context(process([sys.executable, "-m", "gateway", "serve", "--config", str(cfg), "--port", str(port)])).pid
-                    wait_http(f"http://127.0.0.1:{port}/ready")
-                    url, k = f"http://127.0.0.1:{port}/v1/chat/completions", key
-                elif target == "smg":
-                    if not args.smg:
-                        print("smg: skipped (install it: python3 -m venv .venv-smg && .venv-smg/bin/pip install smg)")
-                        continue
-                    port = free_port()
-                    pid = stack.enter_context(process([args.smg, "launch", "--backend", "vllm", "--disable-tokenizer-autoload",
-                                                       "--worker-urls", f"http://127.0.0.1:{backend_port}", "--policy", "round_robin",
-                                                       "--host", "127.0.0.1", "--port", str(port),
-                                                       "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--log-level", "warn"])).pid
-                    wait_http(f"http://127.0.0.1:{port}/v1/models", timeout=60)
-                    url, k = f"http://127.0.0.1:{port}/v1/chat/completions", None
-                elif target == "lmdeploy-proxy":
-                    if not args.lmdeploy:
-                        print("lmdeploy-proxy: skipped (lmdeploy is not installed here)")
-                        continue
-                    port = free_port()
-                    pid = stack.enter_context(process([args.lmdeploy, "serve", "proxy", "--server-name", "127.0.0.1", "--server-port", str(port), "--routing-strategy", "min_expected_latency"])).pid
-                    wait_http(f"http://127.0.0.1:{port}/v1/models", timeout=180)  # it imports torch first
-                    httpx.post(f"http://127.0.0.1:{port}/nodes/add", json={"url": f"http://127.0.0.1:{backend_port}", "status": {"models": [MODEL], "role": 1}})
-                    url, k = f"http://127.0.0.1:{port}/v1/chat/completions", None
-                else:
-                    sys.exit(f"unknown target {target}")
-                for mode, b in (("json", body), ("stream", stream_body)):
-                    for c in levels:
-                        wrk(url, c, 1.0, b, k)  # warm-up: connections, caches
-                        cpu0 = tree_cpu_seconds(pid) if pid else 0.0
-                        rcmd0 = redis_commands(redis_port) if redis_port and "redis" in target else 0
-                        rcpu0 = cpu_seconds(redis_pid) if redis_pid and "redis" in target else 0.0
-                        r = wrk(url, c, args.duration, b, k)
-                        n = r["rps"] * max(1, int(args.duration))
-                        r["cpu_us"] = (tree_cpu_seconds(pid) - cpu0) / n * 1e6 if pid and n else float("nan")
-                        if redis_port and "redis" in target and n:
-                            r["redis_cmds"] = (redis_commands(redis_port) - rcmd0) / n
-                            r["redis_cpu_us"] = (cpu_seconds(redis_pid) - rcpu0) / n * 1e6 if redis_pid else float("nan")
-                            print(f"  {'':22} redis: {r['redis_cmds']:.2f} scripts/req (1 admission each; the settles of a batch fold into one call), redis-server cpu/req {r['redis_cpu_us']:.0f} us")
+            got = start_target(target, outer, args, tmp, backend_port, redis_port, key)
+            if got is not None:
+                started.append((target, *got))
+                pause(got[2])
+        for rnd in range(args.rounds):
+            if args.rounds > 1:
+                print(f"round {rnd + 1} of {args.rounds}", flush=True)
+            for mode, b in (("json", body), ("stream", stream_body)):
+                for c in levels:
+                    for target, url, k, pid in started:
+                        resume(pid)
+                        try:
+                            r = measure(target, url, k, pid, mode, b, c, args.duration, redis_port, redis_pid)
+                        finally:
+                            pause(pid)
                         rows.append((target, mode, c, r))
-                        print(f"  {target:22} {mode:6} c={c:<3} {r['rps']:9.0f} req/s  p50 {r['p50_ms']:.3f} ms  p99 {r['p99_ms']:.3f} ms  cpu/req {r['cpu_us']:.0f} us  errors {r['errors']}", flush=True)
-    base = {(m, c): r for t, m, c, r in rows if t == "direct"}
-    print(f"\n{'target':22} {'mode':6} {'conc':>4} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10} {'cpu us/req':>10} {'errors':>6}")
+    report(rows, args.rounds)
+
+
+def pause(pid: int | None) -> None:
+    if pid:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGSTOP)
+
+
+def resume(pid: int | None) -> None:
+    if pid:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGCONT)
+
+
+def start_target(target: str, stack: contextlib.ExitStack, args: argparse.Namespace, tmp: Path, backend_port: int,
+                 redis_port: int | None, key: str) -> tuple[str, str | None, int | None] | None:
+    """Start one target; its process is stopped by ``stack``. Returns (url, key, pid), or None when skipped."""
+    from gateway.filters.auth import hash_key
+
+    if target == "direct":
+        return f"http://127.0.0.1:{backend_port}/v1/chat/completions", None, None
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    if target.startswith("gateway+"):
+        variant = target[len("gateway+"):]
+        state = {} if variant == "memory" else {"redis_url": f"redis://127.0.0.1:{redis_port}/0", "prefix": "bench"}
+        cfg = tmp / f"state-{variant}.yaml"
+        gateway_config(cfg, backend_port, hash_key(key), "native", state=state)
+        workers = ["--workers", "2"] if variant.endswith("-w2") else []
+        pid = stack.enter_context(process([sys.executable, "-m", "gateway", "serve", "--config", str(cfg), "--port", str(port), *workers])).pid
+        for _ in range(20):  # fresh connections reach every worker: all of them must be up
+            wait_http(f"http://127.0.0.1:{port}/ready", timeout=60)
+        return url, key, pid
+    if target.startswith("gateway"):
+        name, _, http = target.partition("/")  # gateway[transport]/server
+        transport = name[len("gateway["):-1] if "[" in name else "native"
+        cfg = tmp / f"{transport}-{http or 'native'}.yaml"
+        gateway_config(cfg, backend_port, hash_key(key), transport, http or "native")
+        pid = stack.enter_context(process([sys.executable, "-m", "gateway", "serve", "--config", str(cfg), "--port", str(port)])).pid
+        wait_http(f"http://127.0.0.1:{port}/ready")
+        return url, key, pid
+    if target == "smg":
+        if not args.smg:
+            print("smg: skipped (install it: python3 -m venv .venv-smg && .venv-smg/bin/pip install smg)")
+            return None
+        pid = stack.enter_context(process([args.smg, "launch", "--backend", "vllm", "--disable-tokenizer-autoload",
+                                           "--worker-urls", f"http://127.0.0.1:{backend_port}", "--policy", "round_robin",
+                                           "--host", "127.0.0.1", "--port", str(port),
+                                           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--log-level", "warn"])).pid
+        wait_http(f"http://127.0.0.1:{port}/v1/models", timeout=60)
+        return url, None, pid
+    if target == "lmdeploy-proxy":
+        if not args.lmdeploy:
+            print("lmdeploy-proxy: skipped (lmdeploy is not installed here)")
+            return None
+        pid = stack.enter_context(process([args.lmdeploy, "serve", "proxy", "--server-name", "127.0.0.1", "--server-port", str(port), "--routing-strategy", "min_expected_latency"])).pid
+        wait_http(f"http://127.0.0.1:{port}/v1/models", timeout=180)  # it imports torch first
+        httpx.post(f"http://127.0.0.1:{port}/nodes/add", json={"url": f"http://127.0.0.1:{backend_port}", "status": {"models": [MODEL], "role": 1}})
+        return url, None, pid
+    sys.exit(f"unknown target {target}")
+
+
+def measure(target: str, url: str, k: str | None, pid: int | None, mode: str, body: bytes, c: int, duration: float,
+            redis_port: int | None, redis_pid: int | None) -> dict[str, float]:
+    """One wrk run after a 1-s warm-up (connections, caches, and the timers of a process just resumed)."""
+    wrk(url, c, 1.0, body, k)
+    redis_row = redis_port is not None and "redis" in target
+    cpu0 = tree_cpu_seconds(pid) if pid else 0.0
+    rcmd0 = redis_commands(redis_port) if redis_row else 0
+    rcpu0 = cpu_seconds(redis_pid) if redis_row and redis_pid else 0.0
+    r = wrk(url, c, duration, body, k)
+    n = r["rps"] * max(1, int(duration))
+    r["cpu_us"] = (tree_cpu_seconds(pid) - cpu0) / n * 1e6 if pid and n else float("nan")
+    if redis_row and n:
+        r["redis_cmds"] = (redis_commands(redis_port) - rcmd0) / n
+        r["redis_cpu_us"] = (cpu_seconds(redis_pid) - rcpu0) / n * 1e6 if redis_pid else float("nan")
+        print(f"  {'':22} redis: {r['redis_cmds']:.2f} scripts/req (1 admission each; the settles of a batch fold into one call), redis-server cpu/req {r['redis_cpu_us']:.0f} us")
+    print(f"  {target:22} {mode:6} c={c:<3} {r['rps']:9.0f} req/s  p50 {r['p50_ms']:.3f} ms  p99 {r['p99_ms']:.3f} ms  cpu/req {r['cpu_us']:.0f} us  errors {r['errors']}", flush=True)
+    return r
+
+
+def report(rows: list[tuple[str, str, int, dict[str, float]]], rounds: int) -> None:
+    """The table (medians over rounds when there are several), then each target's ratios to the peers."""
+    runs: dict[tuple[str, str, int], list[dict[str, float]]] = {}
     for t, m, c, r in rows:
-        added = r["p50_ms"] - base[(m, c)]["p50_ms"] if (m, c) in base else float("nan")
-        print(f"{t:22} {m:6} {c:>4} {r['rps']:9.0f} {r['p50_ms']:8.3f} {r['p99_ms']:8.3f} {added:10.3f} {r['cpu_us']:10.0f} {r['errors']:6d}")
+        runs.setdefault((t, m, c), []).append(r)
+    med = {key: {f: statistics.median(r[f] for r in rs) for f in ("rps", "p50_ms", "p99_ms", "cpu_us")} | {"errors": sum(r["errors"] for r in rs)}
+           for key, rs in runs.items()}
+    title = f" (median of {rounds} interleaved rounds)" if rounds > 1 else ""
+    print(f"\n{'target':22} {'mode':6} {'conc':>4} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10} {'cpu us/req':>10} {'errors':>6}{title}")
+    for (t, m, c), r in med.items():
+        base = med.get(("direct", m, c))
+        added = r["p50_ms"] - base["p50_ms"] if base else float("nan")
+        print(f"{t:22} {m:6} {c:>4} {r['rps']:9.0f} {r['p50_ms']:8.3f} {r['p99_ms']:8.3f} {added:10.3f} {r['cpu_us']:10.0f} {int(r['errors']):6d}")
+    for peer in ("smg", "lmdeploy-proxy"):
+        lines = []
+        for (t, m, c), rs in runs.items():
+            theirs = runs.get((peer, m, c))
+            if t in ("direct", peer) or not theirs:
+                continue
+            tput = [a["rps"] / b["rps"] for a, b in zip(rs, theirs) if b["rps"]]
+            cpu = [a["cpu_us"] / b["cpu_us"] for a, b in zip(rs, theirs) if b["cpu_us"] == b["cpu_us"] and b["cpu_us"]]
+            spread = f" ({min(tput):.2f}-{max(tput):.2f})" if len(tput) > 1 else ""
+            cpu_part = f"   cpu/req x{statistics.median(cpu):.2f}" + (f" ({min(cpu):.2f}-{max(cpu):.2f})" if len(cpu) > 1 else "") if cpu else ""
+            lines.append(f"{t:22} {m:6} {c:>4}   req/s x{statistics.median(tput):.2f}{spread}{cpu_part}")
+        if lines:
+            print(f"\nagainst {peer}, each round's ratio (median, and range over rounds):")
+            print("\n".join(lines))
     print(f"\n{os.cpu_count()} CPU cores; load generator, backend and gateway share them.")
     print("cpu us/req: CPU time the proxy process spent per request (user + system), the cost that caps its throughput per core.")
-
 
 if __name__ == "__main__":
     main()
