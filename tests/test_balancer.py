@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 
@@ -343,7 +344,7 @@ def _load_wins_over_affinity(bal, bs, clock):
     r = req(prompt=600, keys=keys)
     bal.dispatched(bs["a"], r)
     bal.completed(bs["a"], r, Outcome(status=200, ok=True))
-    load(bal, bs["a"], 100, out=200)  # a is far busier than the bound allows
+    load(bal, bs["a"], 200, out=200)  # a is far busier than the bound allows
     return req(prompt=600, keys=keys)
 
 
@@ -408,6 +409,13 @@ def _prefix_pushed_out_of_a_small_cache(bal, bs, clock):
     return _prefix_served(bal, bs, clock, 1500.0)  # 2,400 prompt tokens went through 1,500 of room
 
 
+def _prefix_near_the_end_of_the_lru(bal, bs, clock):
+    # 2,400 prompt tokens went through 1,700 tokens of free KV (2,400 less the 700 the last one
+    # reserves): an LRU of exactly that room would have dropped the document; the memory keeps
+    # PREFIX_ROOM (1.5) times it, 2,550, and still sends the document's next request to a.
+    return _prefix_served(bal, bs, clock, 2400.0)
+
+
 def _stale_kv_is_ignored(bal, bs, clock):
     bal.observe_signals(bs["a"], Signals(kv_usage=0.97, scraped_at=clock.t - 60), changed=False)
     set_sigma(bal, bs["a"], 0.01)
@@ -468,6 +476,7 @@ def _others_load_from_metrics(bal, bs, clock):
         (_kv_gauge_with_known_slots, "a"),
         (_prefix_kept_in_a_roomy_cache, "a"),
         (_prefix_pushed_out_of_a_small_cache, "b|c"),
+        (_prefix_near_the_end_of_the_lru, "a"),
         (_stale_kv_is_ignored, "a"),
         (_full_batch_means_waiting, "b"),
         (_kv_cache_full, "b"),
@@ -478,6 +487,30 @@ def _others_load_from_metrics(bal, bs, clock):
 )
 def test_min_expected_latency_picks(setup, expected):
     assert pick_case(setup) in expected.split("|")
+
+
+def test_affinity_holds_a_prefix_up_to_twice_the_best_score_by_default():
+    keys = prefix_keys("s" * 2000)
+    for n in range(1, 200):
+        clock = Clock()
+        bal = mel(clock, affinity_min_tokens=64)
+        bs = backends("a", "b", "c")
+        for b in bs:
+            set_sigma(bal, b, 0.02)
+        r = req(prompt=600, keys=keys)
+        bal.dispatched(bs[0], r)
+        bal.completed(bs[0], r, Outcome(status=200, ok=True))
+        load(bal, bs[0], n, out=100)
+        new = req(prompt=600, keys=keys)
+        score = {b.id: p.e2e + bal.config.ttft_weight * p.ttft for b, p in zip(bs, bal.predict(bs, new))}
+        if 1.6 < score["a"] / min(score["b"], score["c"]) < 1.9:
+            break
+    else:
+        pytest.fail("no load puts a's score at 1.6-1.9x the best")
+    assert BalancerConfig().affinity_bound == 1.0
+    assert bal.pick(bs, new).id == "a"  # the holder, at up to +100% (it was +50% before the hit-rate pass)
+    bal.config = dataclasses.replace(bal.config, affinity_bound=0.5)
+    assert bal.pick(bs, new).id in ("b", "c")
 
 
 def test_least_in_flight_counts_requests_where_expected_latency_counts_tokens():

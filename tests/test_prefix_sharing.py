@@ -257,7 +257,7 @@ def test_learnt_prompts_with_their_size_evict_from_the_memory_as_the_engine_does
     for sized in (True, False):
         bal = _balancer(5)
         (a,) = _fleet()[:1]
-        bal.models(a).kv_capacity = 2500.0
+        bal.models(a).kv_capacity = 2500.0 / bal.PREFIX_ROOM  # the memory keeps PREFIX_ROOM x the free KV: 2500
         tokens = [2500] if sized else None
         bal.learn_placements(a, [list(old_doc)], tokens)
         bal.learn_placements(a, [list(new_doc)], tokens)
@@ -279,7 +279,7 @@ def test_learnt_prompts_with_their_size_evict_from_the_memory_as_the_engine_does
 ])
 def test_the_sizes_beside_the_chains_are_validated_and_a_bad_one_costs_only_the_size(tokens, sized):
     cluster, bal, target = _receiving_cluster()
-    bal.models(target).kv_capacity = 500.0  # a room smaller than the chain (8 keys, 724 tokens)
+    bal.models(target).kv_capacity = 500.0 / bal.PREFIX_ROOM  # a room (PREFIX_ROOM x the free KV) smaller than the chain (8 keys, 724 tokens)
     message = {"from": "other", "p": {"a": [CHAIN]}} | ({"t": tokens} if tokens is not None else {})
     cluster._on_placements(json.dumps(message).encode())
     depth = bal.models(target).prefixes.depth(tuple(CHAIN), bal.clock())

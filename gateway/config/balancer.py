@@ -64,7 +64,7 @@ class BalancerConfig:
     policy: str = "min_expected_latency"
     retries: int = 1  # extra attempts on another backend, only before any byte reached the client
     scrape_interval: float = 2.0  # seconds between /metrics polls of each backend; 0 turns scraping off
-    affinity_bound: float = 0.5  # prefer the backend holding the prompt's prefix if its latency is within +50% of the best; 0 turns affinity off
+    affinity_bound: float = 1.0  # prefer the backend holding the prompt's prefix if its latency is within +100% of the best; 0 turns affinity off
     affinity_min_tokens: int = 64  # a shared prefix shorter than this does not count
     affinity_ttl: float = 600.0  # seconds after which a served prefix is assumed evicted from the backend's cache
     slow_start: float = 30.0  # seconds over which a backend back from ejection or unhealth ramps up to full share; 0 turns it off
