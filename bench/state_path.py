@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from overhead import STATE_LIMITS, cpu_seconds, free_port, process, wait_port  # noqa: E402
+from overhead import STATE_LIMITS, cpu_seconds, free_port, process, redis_commands, wait_port  # noqa: E402
 
 MODEL = "bench-model"
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello in one short sentence."}], "max_tokens": 16}
@@ -40,7 +40,7 @@ class _Ctx:
         self.key, self.model, self.body = key, MODEL, BODY
 
 
-async def run(store_kind: str, redis_url: str | None, requests: int, concurrency: int, redis_pid: int | None) -> None:
+async def run(store_kind: str, redis_url: str | None, requests: int, concurrency: int, redis_pid: int | None, redis_port: int = 0) -> None:
     from gateway.config import parse_config
     from gateway.filters.auth import hash_key, new_key
     from gateway.filters.limits import RateLimit
@@ -64,6 +64,9 @@ async def run(store_kind: str, redis_url: str | None, requests: int, concurrency
     try:
         await asyncio.gather(*[client(max(1, requests // concurrency // 10)) for _ in range(concurrency)])  # warm-up
         per = requests // concurrency
+        if hasattr(store, "flush"):
+            await store.flush()
+        scripts0 = redis_commands(redis_port) if redis_port else 0  # before the clocks start: a blocking call
         cpu0, rcpu0, t0 = time.process_time(), cpu_seconds(redis_pid) if redis_pid else 0.0, time.monotonic()
         await asyncio.gather(*[client(per) for _ in range(concurrency)])
         if hasattr(store, "flush"):
@@ -72,6 +75,8 @@ async def run(store_kind: str, redis_url: str | None, requests: int, concurrency
         line = f"{store_kind:6} c={concurrency:<3} {n / wall:8.0f} req/s  gateway cpu/req {(time.process_time() - cpu0) / n * 1e6:6.1f} us"
         if redis_pid:
             line += f"  redis-server cpu/req {(cpu_seconds(redis_pid) - rcpu0) / n * 1e6:6.1f} us"
+        if redis_port:
+            line += f"  scripts/req {(redis_commands(redis_port) - scripts0) / n:5.2f}"
         print(line)
     finally:
         await store.close()
@@ -91,7 +96,7 @@ def main() -> None:
     port = free_port()
     with process(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]) as redis:
         wait_port(port)
-        uvloop.run(run("redis", f"redis://127.0.0.1:{port}/0", args.requests, args.concurrency, redis.pid))
+        uvloop.run(run("redis", f"redis://127.0.0.1:{port}/0", args.requests, args.concurrency, redis.pid, port))
 
 
 if __name__ == "__main__":
