@@ -230,3 +230,25 @@ async def test_a_carrying_call_that_fails_drops_its_settles_and_its_admission_is
         if usage_key:
             await store.r.delete(usage_key)
         await store.close()
+
+
+async def test_settles_carried_to_a_redis_that_lost_its_scripts_are_kept_and_counted_once(redis_server):
+    # A restarted Redis (here: SCRIPT FLUSH) answers NOSCRIPT: none of the call ran, so its settles wait
+    # again and the admission is asked again once the scripts are loaded.
+    store = await _loaded(redis_server.url)
+    key = ApiKeyConfig(name="a", hash=hash_key(new_key()), max_concurrent=10, budget_tokens=10**9, budget_period="total")
+    try:
+        held = [await store.admit(key, MODEL, 5, 10) for _ in range(3)]
+        for adm in held:
+            store.settle(adm, _Outcome(3, 2))
+        await store.r.script_flush()
+        adm = await store.admit(key, MODEL, 5, 10)
+        assert not isinstance(adm, Refusal) and adm.shared
+        assert len(store._pending) == 3
+        await store.flush()
+        rows = await store.usage(key.hash)
+        assert [(r.requests, r.prompt_tokens, r.completion_tokens) for r in rows] == [(3, 9, 6)]
+        assert int(await store.r.get(store._budget_key(key))) == 15
+        assert await store.r.zcard(store._lease_key(key)) == 1
+    finally:
+        await store.close()
