@@ -29,6 +29,17 @@ MODEL = "bench-model"
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello in one short sentence."}], "max_tokens": 16}
 
 
+def scripts_run(port: int) -> tuple[int, int]:
+    """Scripts Redis has run so far and the microseconds they took (INFO commandstats: EVALSHA/EVAL),
+    the part of redis-server's CPU that does not depend on how the machine's syscalls are doing."""
+    import redis
+
+    with redis.Redis(port=port) as r:
+        stats = r.info("commandstats")
+    found = [v for k, v in stats.items() if k in ("cmdstat_evalsha", "cmdstat_eval")]
+    return sum(v.get("calls", 0) for v in found), sum(v.get("usec", 0) for v in found)
+
+
 class _Outcome:
     ok = True
     prompt_tokens = 12
@@ -40,7 +51,7 @@ class _Ctx:
         self.key, self.model, self.body = key, MODEL, BODY
 
 
-async def run(store_kind: str, redis_url: str | None, requests: int, concurrency: int, redis_pid: int | None) -> None:
+async def run(store_kind: str, redis_url: str | None, requests: int, concurrency: int, redis_pid: int | None, redis_port: int = 0) -> None:
     from gateway.config import parse_config
     from gateway.filters.auth import hash_key, new_key
     from gateway.filters.limits import RateLimit
@@ -64,6 +75,9 @@ async def run(store_kind: str, redis_url: str | None, requests: int, concurrency
     try:
         await asyncio.gather(*[client(max(1, requests // concurrency // 10)) for _ in range(concurrency)])  # warm-up
         per = requests // concurrency
+        if hasattr(store, "flush"):
+            await store.flush()
+        scripts0 = scripts_run(redis_port) if redis_port else (0, 0)  # before the clocks start: a blocking call
         cpu0, rcpu0, t0 = time.process_time(), cpu_seconds(redis_pid) if redis_pid else 0.0, time.monotonic()
         await asyncio.gather(*[client(per) for _ in range(concurrency)])
         if hasattr(store, "flush"):
@@ -72,6 +86,9 @@ async def run(store_kind: str, redis_url: str | None, requests: int, concurrency
         line = f"{store_kind:6} c={concurrency:<3} {n / wall:8.0f} req/s  gateway cpu/req {(time.process_time() - cpu0) / n * 1e6:6.1f} us"
         if redis_pid:
             line += f"  redis-server cpu/req {(cpu_seconds(redis_pid) - rcpu0) / n * 1e6:6.1f} us"
+        if redis_port:
+            calls, usec = scripts_run(redis_port)
+            line += f"  scripts/req {(calls - scripts0[0]) / n:5.2f} ({(usec - scripts0[1]) / n:4.1f} us in them)"
         print(line)
     finally:
         await store.close()
@@ -91,7 +108,7 @@ def main() -> None:
     port = free_port()
     with process(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]) as redis:
         wait_port(port)
-        uvloop.run(run("redis", f"redis://127.0.0.1:{port}/0", args.requests, args.concurrency, redis.pid))
+        uvloop.run(run("redis", f"redis://127.0.0.1:{port}/0", args.requests, args.concurrency, redis.pid, port))
 
 
 if __name__ == "__main__":

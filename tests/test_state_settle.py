@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from gateway.config import ApiKeyConfig, parse_config
+from gateway.errors import Refusal
 from gateway.filters.auth import hash_key, new_key
 from gateway.state.redis import RedisStore
 from gateway.state.settle import CHUNK, Settle, settle_calls
@@ -130,5 +131,124 @@ async def test_settles_ride_on_the_next_admission_and_go_alone_only_when_none_co
         rows = await store.usage(key.hash)
         assert [(r.requests, r.prompt_tokens, r.completion_tokens) for r in rows] == [(n, 3 * n, 2 * n)]
         assert await store.r.zcard(store._lease_key(key)) == 0
+    finally:
+        await store.close()
+
+
+async def _scripts(store: RedisStore) -> int:
+    """Scripts Redis has run so far (INFO commandstats: EVALSHA calls, as bench/overhead.py reads them)."""
+    return (await store.r.info("commandstats")).get("cmdstat_evalsha", {}).get("calls", 0)
+
+
+async def _loaded(url: str) -> RedisStore:
+    """A store with its scripts loaded and no background task: settles reach Redis only with an
+    admission or ``flush()``, and no heartbeat renews a lease between two readings of the stats."""
+    store = _store(url)
+    await store._load_scripts()
+    return store
+
+
+def _remaining_tokens(adm: Any) -> int:
+    return int(dict(adm.headers)[b"x-ratelimit-remaining-tokens"])
+
+
+async def test_an_admission_carries_the_waiting_settles_in_its_one_script_call_and_they_count_first(redis_server):
+    # 5 requests hold the key's 5 leases and 50,000 of its 60,000 tokens; they end (settles waiting), and
+    # the next admission's one script call settles them, then admits it: their leases and the 9,900
+    # tokens each gives back already count for it, and usage and budget are exact.
+    store = await _loaded(redis_server.url)
+    key = ApiKeyConfig(name="a", hash=hash_key(new_key()), rate_limit_rpm=100, rate_limit_tpm=60_000, max_concurrent=5,
+                       budget_tokens=10**9, budget_period="day")
+    try:
+        held = [await store.admit(key, MODEL, 0, 10_000) for _ in range(5)]
+        assert all(not isinstance(adm, Exception) and adm.shared for adm in held), held
+        for i, adm in enumerate(held):
+            store.settle(adm, _Outcome(40 + i, 60))  # used 100 + i of the 10,000 reserved
+        assert len(store._pending) == 5
+        before = await _scripts(store)
+        adm = await store.admit(key, MODEL, 0, 10_000)
+        assert await _scripts(store) - before == 1  # one script call for the settles and the admission
+        assert not isinstance(adm, Refusal), adm.message  # the ended requests' leases were dropped first
+        assert not store._pending
+        used = sum(100 + i for i in range(5))
+        # The bucket: 60,000 - 5 x 10,000 + (50,000 - used) given back - 10,000, plus what refilled
+        # meanwhile (1 token a ms) up to the cap; settled after the admission it would be ~0.
+        assert 50_000 - used <= _remaining_tokens(adm) <= 50_000
+        assert int(dict(adm.headers)[b"x-ratelimit-remaining-requests"]) == 100 - 6
+        assert await store.r.zcard(store._lease_key(key)) == 1  # the new admission's only
+        assert int(await store.r.get(store._budget_key(key))) == used
+        rows = await store.usage(key.hash)
+        assert [(r.requests, r.prompt_tokens, r.completion_tokens, r.estimated) for r in rows] == [(5, sum(40 + i for i in range(5)), 300, 0)]
+    finally:
+        await store.close()
+
+
+async def test_an_admission_carries_at_most_a_chunk_of_settles_and_the_rest_go_alone_in_the_same_write(redis_server):
+    store = await _loaded(redis_server.url)
+    key = ApiKeyConfig(name="a", hash=hash_key(new_key()), max_concurrent=10_000, budget_tokens=10**9, budget_period="total")
+    try:
+        n = CHUNK * 2 + 37
+        held = [await store.admit(key, MODEL, 5, 10) for _ in range(n)]
+        for adm in held:
+            store.settle(adm, _Outcome(3, 2))
+        before = await _scripts(store)
+        adm = await store.admit(key, MODEL, 5, 10)
+        assert not isinstance(adm, Refusal) and adm.shared
+        assert await _scripts(store) - before == 3  # the admission with CHUNK settles, then two SETTLE_MANY calls
+        assert not store._pending
+        rows = await store.usage(key.hash)
+        assert [(r.requests, r.prompt_tokens, r.completion_tokens) for r in rows] == [(n, 3 * n, 2 * n)]
+        assert int(await store.r.get(store._budget_key(key))) == 5 * n
+        assert await store.r.zcard(store._lease_key(key)) == 1
+    finally:
+        await store.close()
+
+
+async def test_a_carrying_call_that_fails_drops_its_settles_and_its_admission_is_asked_again_alone(redis_server):
+    # This hour's usage hash is not a hash (someone else's write): the settle part of the call fails
+    # (WRONGTYPE), after the leases were dropped. The admission is still answered by Redis, its own.
+    from gateway.state import stats
+
+    store = await _loaded(redis_server.url)
+    key = ApiKeyConfig(name="a", hash=hash_key(new_key()), max_concurrent=2)
+    usage_key = b""
+    try:
+        held = [await store.admit(key, MODEL, 5, 10) for _ in range(2)]
+        for adm in held:
+            store.settle(adm, _Outcome(3, 2))
+        usage_key = store._pending[0].usage_key
+        await store.r.set(usage_key, "not a hash")
+        errors = stats.STATE_ERRORS.labels(op="settle")._value.get()
+        before = await _scripts(store)
+        adm = await store.admit(key, MODEL, 5, 10)
+        assert not isinstance(adm, Refusal) and adm.shared  # Redis's answer, not the fallback's
+        assert await _scripts(store) - before == 2  # the carrying call, then the admission alone
+        assert stats.STATE_ERRORS.labels(op="settle")._value.get() == errors + 1
+        assert not store._pending  # dropped, as a failed SETTLE_MANY call's are
+        assert await store.r.zcard(store._lease_key(key)) == 1
+    finally:
+        if usage_key:
+            await store.r.delete(usage_key)
+        await store.close()
+
+
+async def test_settles_carried_to_a_redis_that_lost_its_scripts_are_kept_and_counted_once(redis_server):
+    # A restarted Redis (here: SCRIPT FLUSH) answers NOSCRIPT: none of the call ran, so its settles wait
+    # again and the admission is asked again once the scripts are loaded.
+    store = await _loaded(redis_server.url)
+    key = ApiKeyConfig(name="a", hash=hash_key(new_key()), max_concurrent=10, budget_tokens=10**9, budget_period="total")
+    try:
+        held = [await store.admit(key, MODEL, 5, 10) for _ in range(3)]
+        for adm in held:
+            store.settle(adm, _Outcome(3, 2))
+        await store.r.script_flush()
+        adm = await store.admit(key, MODEL, 5, 10)
+        assert not isinstance(adm, Refusal) and adm.shared
+        assert len(store._pending) == 3
+        await store.flush()
+        rows = await store.usage(key.hash)
+        assert [(r.requests, r.prompt_tokens, r.completion_tokens) for r in rows] == [(3, 9, 6)]
+        assert int(await store.r.get(store._budget_key(key))) == 15
+        assert await store.r.zcard(store._lease_key(key)) == 1
     finally:
         await store.close()

@@ -9,8 +9,9 @@
   lease set and the budget counter, all at Redis's clock. The admissions asked for in one turn of
   the event loop go in one write on a lean pipelined connection (``resp.py``). Settling (refund or
   charge tpm, drop the lease, count budget and usage) is batched: the settles of every request that
-  ended meanwhile are folded into one ``SETTLE_MANY`` call (``settle.py``) that rides on the next
-  admission write, or on its own after a few milliseconds when no admission comes.
+  ended meanwhile are folded into the next admission's ``ADMIT`` call, which runs them first (one
+  script run per request, ``settle.py`` groups them), or go as one ``SETTLE_MANY`` call of their own
+  after a few milliseconds when no admission comes.
 - Every call has a timeout (``state.timeout``). A failure marks Redis down for a second: known
   keys keep working from the cache, unknown keys are refused (the cache is the only source),
   limits fall back to ``LocalLimiter`` with each limit divided by the number of live replicas,
@@ -45,9 +46,14 @@ from .keys import key_from_record, key_to_record
 from .limits import Admission, Decision, LocalLimiter, current_period_id, period_seconds_left
 from .memory import merge_rows
 from .resp import ReplyError, RespPipe, pack
-from .settle import SETTLE_MANY, STORE_TPM, Settle, settle_calls
+from .settle import SETTLE_FN, SETTLE_MANY, STORE_TPM, Settle, settle_calls
 
 log = logging.getLogger("gateway.state.redis")
+
+# An admission waiting to be sent: its packed ADMIT call, its future, and for a call that carries
+# settles (``RedisStore._fold``) its key's packed (keys, limits) and its packed (reservation, lease id).
+_Admit = tuple[bytes, asyncio.Future[Any], tuple[bytes, bytes], bytes]
+_Call = tuple[list[bytes], list[Any], list[Settle]]  # a SETTLE_MANY call: keys, args, the settles it carries
 
 T = TypeVar("T")
 
@@ -72,9 +78,13 @@ DOWN_FOR = 1.0  # seconds a failure keeps requests on the local fallback before 
 #   log outlives its newest entry by 60 s; once M leaves the window (popped) the oldest entry left is
 #   marked, or the next admission's if none is left, and the expiry set again: once a minute per key.
 # - the tpm bucket stores its expiry ('e'): see STORE_TPM (settle.py), shared with SETTLE_MANY.
-ADMIT = STORE_TPM + """
+# Settles waiting when an admission is sent ride in its call, after its own keys and arguments
+# (KEYS[5..], ARGV[8..], as SETTLE_MANY takes them), and run first: one script run per request, and a
+# lease or tokens given back count for this admission already.
+ADMIT = STORE_TPM + SETTLE_FN + """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+if #ARGV > 7 then settle_many(5, 8, now) end
 local rpm = tonumber(ARGV[1])
 local tpm = tonumber(ARGV[2])
 local conc = tonumber(ARGV[3])
@@ -260,8 +270,8 @@ class RedisStore(StateStore):
         self.flush_every = FLUSH_EVERY
         self.max_pending = MAX_PENDING
         self._dropped_warned = 0.0
-        self._admits: list[tuple[bytes, asyncio.Future[Any]]] = []  # (packed EVALSHA, its future)
-        self._admit_heads: dict[str, tuple[ApiKeyConfig, str, bytes]] = {}  # key hash -> (key, budget period, packed head)
+        self._admits: list[_Admit] = []
+        self._admit_heads: dict[str, tuple[ApiKeyConfig, str, bytes, tuple[bytes, bytes]]] = {}  # key hash -> (key, budget period, packed head, its parts)
         self._inflight: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
         self._leases: dict[str, tuple[str, str]] = {}  # lease id -> (lease set key, lease id) held by this process
@@ -452,32 +462,35 @@ class RedisStore(StateStore):
     def _budget_key(self, key: ApiKeyConfig) -> bytes:
         return (self._names(key)[3] + current_period_id(key.budget_period)).encode()
 
-    def _admit_head(self, key: ApiKeyConfig) -> bytes:
+    def _admit_head(self, key: ApiKeyConfig) -> tuple[bytes, tuple[bytes, bytes]]:
         """The packed start of a key's ADMIT call (its keys and limits), made once per key and budget
-        period: only the reservation and the lease id change from one request to the next."""
+        period: only the reservation and the lease id change from one request to the next. With it,
+        its keys and its arguments packed apart, for a call that carries settles (``_fold``)."""
         period = current_period_id(key.budget_period) if key.budget_tokens else ""
         hit = self._admit_heads.get(key.hash)
         if hit is not None and hit[0] is key and hit[1] == period:  # an edited key is a new object
-            return hit[2]
+            return hit[2], hit[3]
         if len(self._admit_heads) > 100_000:  # bounded, as _names
             self._admit_heads.clear()
         r_key, t_key, cc_key, _ = self._names(key)
         keys = [r_key, t_key, cc_key, self._budget_key(key)]
         args = [key.rate_limit_rpm or 0, key.rate_limit_tpm or 0, key.max_concurrent or 0, self._lease_ttl_ms, key.budget_tokens or 0]
         head = self._pack([(self._admit, keys, args)], extra=2)
-        self._admit_heads[key.hash] = (key, period, head)
-        return head
+        parts = (_bulks(keys), _bulks(args))
+        self._admit_heads[key.hash] = (key, period, head, parts)
+        return head, parts
 
     async def _decide(self, key: ApiKeyConfig, reserve: int, lease: str) -> tuple[Decision, bool, int]:
         if not self._down():
             r = b"%d" % reserve
             lid = lease.encode()
-            packed = b"%s$%d\r\n%s\r\n$%d\r\n%s\r\n" % (self._admit_head(key), len(r), r, len(lid), lid)
+            head, parts = self._admit_head(key)
+            tail = b"$%d\r\n%s\r\n$%d\r\n%s\r\n" % (len(r), r, len(lid), lid)
             loop = self._loop
             if loop is None:
                 loop = self._loop = asyncio.get_running_loop()
             fut: asyncio.Future[Any] = loop.create_future()
-            self._admits.append((packed, fut))
+            self._admits.append((head + tail, fut, parts, tail))
             if len(self._admits) == 1:
                 loop.call_soon(self._send_admits)
             try:
@@ -498,14 +511,13 @@ class RedisStore(StateStore):
         ``extra``: arguments the caller appends to each (counted in its header)."""
         buf: list[bytes] = []
         for script, keys, args in calls:
-            buf.append(b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n$%d\r\n%d\r\n" % (3 + len(keys) + len(args) + extra, script.sha.encode(), len(str(len(keys))), len(keys)))
-            for item in keys:
-                buf.append(b"$%d\r\n%s\r\n" % (len(item), item))
-            for a in args:  # ints and strs, in the main (settle args: ~2 a request)
-                t = a.__class__
-                item = b"%d" % a if t is int else a.encode() if t is str else _arg(a)
-                buf.append(b"$%d\r\n%s\r\n" % (len(item), item))
+            buf += (_evalsha(script, len(keys), len(args) + extra), _bulks(keys), _bulks(args))
         return b"".join(buf)
+
+    def _fold(self, admit: _Admit, keys: list[bytes], args: list[Any]) -> bytes:
+        """An admission's ADMIT call carrying one SETTLE_MANY call's keys and arguments after its own."""
+        (own_keys, own_args), tail = admit[2], admit[3]
+        return b"".join((_evalsha(self._admit, 4 + len(keys), 7 + len(args)), own_keys, _bulks(keys), own_args, tail, _bulks(args)))
 
     async def _eval_many(self, op: str, calls: list[tuple[Any, list[bytes], list[Any]]]) -> list[Any]:
         """Run scripts as one batch of EVALSHA commands: one write, one round trip on the pipe. A Redis
@@ -534,46 +546,68 @@ class RedisStore(StateStore):
     def _send_admits(self) -> None:
         """Every admission asked for in this turn of the loop goes in one write on the pipe, with no
         task: the replies are handed out by a callback (one round trip however many arrived together).
-        The settles waiting to be flushed ride along in the same write (one syscall fewer each time).
+        The settles waiting to be flushed ride in the admissions' own calls (``_fold``): each of the
+        first admissions carries one SETTLE_MANY call's worth (at most ``CHUNK`` settles), and only
+        what is left over (a backlog after an outage) goes as SETTLE_MANY calls in the same write.
         Holding admissions while a batch is in flight was tried: no bigger batches at c=32 (~5 commands
         a write either way), so none wait."""
         batch, self._admits = self._admits, []
         if not batch:
             return
-        settles = settle_calls(self._take_settles()) if self._pending else []
-        packed = b"".join([cmd for cmd, _ in batch])
-        if settles:
-            packed += self._pack([(self._settle_many, keys, args) for keys, args, _ in settles])
-        fut = self.pipe.request(packed, len(batch) + len(settles))
-        fut.add_done_callback(lambda f: self._admits_done(batch, settles, f))
+        folded: list[_Call] = []
+        lone: list[_Call] = []
+        cmds = [a[0] for a in batch]
+        if self._pending:
+            calls = settle_calls(self._take_settles())
+            folded, lone = calls[: len(batch)], calls[len(batch) :]
+            for j, (keys, args, _) in enumerate(folded):
+                cmds[j] = self._fold(batch[j], keys, args)
+            if lone:
+                cmds.append(self._pack([(self._settle_many, keys, args) for keys, args, _ in lone]))
+        fut = self.pipe.request(b"".join(cmds), len(batch) + len(lone))
+        fut.add_done_callback(lambda f: self._admits_done(batch, folded, lone, f))
 
-    def _admits_done(self, batch: list[tuple[bytes, asyncio.Future[Any]]],
-                     settles: list[tuple[list[bytes], list[Any], list[Settle]]], f: asyncio.Future[list[Any]]) -> None:
+    def _admits_done(self, batch: list[_Admit], folded: list[_Call], lone: list[_Call], f: asyncio.Future[list[Any]]) -> None:
         exc = f.exception()
         if exc is not None:
             stats.STATE_ERRORS.labels(op="admit").inc()
             self._mark_down("admit")
             self._admits_failed(batch, exc)
-            self._requeue([s for _, _, carried in settles for s in carried])
+            self._requeue([s for _, _, carried in folded + lone for s in carried])
             return
         results = f.result()
-        self._settled(settles, results[len(batch):])
-        results = results[: len(batch)]
+        n = len(batch)
+        self._settled(lone, results[n:])
+        results = results[:n]
+        # A carrying call that failed is asked again without its settles, so that the admission's answer
+        # is its own; its settles are dropped and counted, as a SETTLE_MANY call's error is (the script
+        # may have applied them before failing), or requeued when Redis lost the script (none ran).
+        again = self._settled(folded, results[: len(folded)])
         if any(_noscript(r) for r in results):  # a restarted Redis (rare): reload, then run the batch again
-            task = asyncio.get_running_loop().create_task(self._run_admits(batch))
-            self._inflight.add(task)
-            task.add_done_callback(self._inflight.discard)
+            self._admit_again(batch)
             return
+        if again:
+            self._admit_again([batch[j] for j in again])
+            for j in again:
+                results[j] = None  # handed out by the second call
         self._hand_out(batch, results)
 
-    def _admits_failed(self, batch: list[tuple[bytes, asyncio.Future[Any]]], exc: BaseException) -> None:
-        for _, fut in batch:
+    def _admit_again(self, batch: list[_Admit]) -> None:
+        task = asyncio.get_running_loop().create_task(self._run_admits(batch))
+        self._inflight.add(task)
+        task.add_done_callback(self._inflight.discard)
+
+    def _admits_failed(self, batch: list[_Admit], exc: BaseException) -> None:
+        for a in batch:
+            fut = a[1]
             if not fut.done():
                 fut.set_exception(exc)
 
-    def _hand_out(self, batch: list[tuple[bytes, asyncio.Future[Any]]], results: list[Any]) -> None:
-        for (_, fut), res in zip(batch, results):
-            if fut.done():
+    def _hand_out(self, batch: list[_Admit], results: list[Any]) -> None:
+        """Each admission its reply (None: not this one's, it was sent again)."""
+        for a, res in zip(batch, results):
+            fut = a[1]
+            if fut.done() or res is None:
                 continue
             if isinstance(res, Exception):
                 stats.STATE_ERRORS.labels(op="admit").inc()
@@ -581,9 +615,9 @@ class RedisStore(StateStore):
             else:
                 fut.set_result(res)
 
-    async def _run_admits(self, batch: list[tuple[bytes, asyncio.Future[Any]]]) -> None:
+    async def _run_admits(self, batch: list[_Admit]) -> None:
         try:
-            results = await self._eval_packed("admit", b"".join([cmd for cmd, _ in batch]), len(batch))
+            results = await self._eval_packed("admit", b"".join([a[0] for a in batch]), len(batch))
         except Exception as exc:
             self._admits_failed(batch, exc)
             return
@@ -651,17 +685,19 @@ class RedisStore(StateStore):
         self._pending.extendleft(reversed(batch[len(batch) - room :]))
         self._wake.set()
 
-    def _settled(self, calls: list[tuple[list[bytes], list[Any], list[Settle]]], results: list[Any]) -> None:
-        """The replies to settle calls: a script Redis lost (restarted) sends its settles round again
-        (through the flusher, which loads it); any other error reply is counted and its settles dropped."""
-        failed = 0
-        for (_, _, carried), res in zip(calls, results):
+    def _settled(self, calls: list[_Call], results: list[Any]) -> list[int]:
+        """The replies to settle calls (alone, or carried by an admission): a script Redis lost (restarted)
+        sends its settles round again (through the flusher, which loads it); any other error reply is
+        counted and its settles dropped. Returns the indices of the calls whose settles were dropped."""
+        failed: list[int] = []
+        for j, ((_, _, carried), res) in enumerate(zip(calls, results)):
             if _noscript(res):
                 self._requeue(carried)
             elif isinstance(res, Exception):
-                failed += 1
+                failed.append(j)
         if failed:
-            stats.STATE_ERRORS.labels(op="settle").inc(failed)
+            stats.STATE_ERRORS.labels(op="settle").inc(len(failed))
+        return failed
 
     async def _flush(self) -> None:
         if not self._pending:
@@ -842,6 +878,22 @@ def _pairs(entry: Any) -> dict[Any, Any] | None:
     if not isinstance(entry, list) or len(entry) % 2 or len(entry) > 2 * MAX_LOAD_FIELDS:
         return None
     return dict(zip(entry[::2], entry[1::2]))
+
+
+def _evalsha(script: Any, n_keys: int, n_args: int) -> bytes:
+    """The start of an EVALSHA command in RESP, up to its keys."""
+    nk = b"%d" % n_keys
+    return b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n$%d\r\n%s\r\n" % (3 + n_keys + n_args, script.sha.encode(), len(nk), nk)
+
+
+def _bulks(items: Iterable[Any]) -> bytes:
+    """Keys or arguments as RESP bulk strings (ints and strs, in the main: settle args are ~2 a request)."""
+    buf: list[bytes] = []
+    for a in items:
+        t = a.__class__
+        item = a if t is bytes else b"%d" % a if t is int else a.encode() if t is str else _arg(a)
+        buf.append(b"$%d\r\n%s\r\n" % (len(item), item))
+    return b"".join(buf)
 
 
 def _noscript(r: Any) -> bool:

@@ -2,8 +2,9 @@
 
 A settle gives back (or takes) tpm tokens, drops a concurrency lease, charges the budget and counts
 usage. One script call per request cost Redis more CPU than the admission itself (a script run and
-~9 commands each), so the settles gathered since the last write go as one ``SETTLE_MANY`` call (per
-``CHUNK`` of them), grouped by Redis key:
+~9 commands each), so the settles gathered since the last write go as one call's worth (per ``CHUNK``
+of them), carried by the next admission's ``ADMIT`` call (``settle_many`` below, run before the
+admission), or as a ``SETTLE_MANY`` call of their own when no admission comes; grouped by Redis key:
 
 - tpm buckets: refilled once, then each amount applied in order with the cap after each (what
   settling them one by one would do, so a stream that ran over still takes its tokens);
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-CHUNK = 500  # settles per script call: bounds the script's run time and the Lua stack for unpack()
+CHUNK = 500  # settles per script call (alone or carried): bounds its arguments, run time and the Lua stack for unpack()
 
 # A tpm bucket written back (ADMIT in redis.py and SETTLE_MANY both use it): its level and time, and
 # its expiry ('e') moved to 240 s ahead only when under 120 s are left, so it outlives its last update
@@ -32,49 +33,60 @@ local function store_tpm(key, level, expiry, now)
 end
 """
 
-SETTLE_MANY = STORE_TPM + """
+# The settles of one call, from KEYS[k] and ARGV[i] on (SETTLE_MANY: from the first; ADMIT: after its
+# own 4 keys and 7 arguments, when an admission carries them). Returns the next KEYS index.
+SETTLE_FN = """
+local function settle_many(k, i, now)
+  local groups = tonumber(ARGV[i])
+  i = i + 1
+  for _ = 1, groups do -- tpm buckets: tpm, n, then n amounts to give back (negative: to take), in order
+    local tpm, n = tonumber(ARGV[i]), tonumber(ARGV[i + 1])
+    local v = redis.call('HMGET', KEYS[k], 'l', 't', 'e')
+    local l = tonumber(v[1])
+    if l then
+      l = l + (now - tonumber(v[2])) * tpm / 60000
+      if l > tpm then l = tpm end
+      for j = i + 2, i + 1 + n do
+        l = l + tonumber(ARGV[j])
+        if l > tpm then l = tpm end
+      end
+      store_tpm(KEYS[k], l, tonumber(v[3]), now)
+    end
+    k, i = k + 1, i + 2 + n
+  end
+  groups = tonumber(ARGV[i])
+  i = i + 1
+  for _ = 1, groups do -- lease sets: n, then n lease ids
+    local n = tonumber(ARGV[i])
+    redis.call('ZREM', KEYS[k], unpack(ARGV, i + 1, i + n))
+    k, i = k + 1, i + 1 + n
+  end
+  groups = tonumber(ARGV[i])
+  i = i + 1
+  for _ = 1, groups do -- budget counters: tokens, ttl (s, 0: forever)
+    redis.call('INCRBY', KEYS[k], ARGV[i])
+    local ttl = tonumber(ARGV[i + 1])
+    if ttl > 0 then redis.call('EXPIRE', KEYS[k], ttl) end
+    k, i = k + 1, i + 2
+  end
+  groups = tonumber(ARGV[i])
+  i = i + 1
+  for _ = 1, groups do -- usage hashes: ttl (s), n, then n (field, increment) pairs
+    local ttl, n = ARGV[i], tonumber(ARGV[i + 1])
+    for j = i + 2, i + 2 * n, 2 do redis.call('HINCRBY', KEYS[k], ARGV[j], ARGV[j + 1]) end
+    redis.call('EXPIRE', KEYS[k], ttl)
+    k, i = k + 1, i + 2 + 2 * n
+  end
+  return k
+end
+"""
+
+# The settles alone (no admission came to carry them within FLUSH_EVERY, or more than the admissions
+# of one write carry: see redis.py). Returns the number of keys settled.
+SETTLE_MANY = STORE_TPM + SETTLE_FN + """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local k, i = 1, 2
-for _ = 1, tonumber(ARGV[1]) do -- tpm buckets: tpm, n, then n amounts to give back (negative: to take), in order
-  local tpm, n = tonumber(ARGV[i]), tonumber(ARGV[i + 1])
-  local v = redis.call('HMGET', KEYS[k], 'l', 't', 'e')
-  local l = tonumber(v[1])
-  if l then
-    l = l + (now - tonumber(v[2])) * tpm / 60000
-    if l > tpm then l = tpm end
-    for j = i + 2, i + 1 + n do
-      l = l + tonumber(ARGV[j])
-      if l > tpm then l = tpm end
-    end
-    store_tpm(KEYS[k], l, tonumber(v[3]), now)
-  end
-  k, i = k + 1, i + 2 + n
-end
-local groups = tonumber(ARGV[i])
-i = i + 1
-for _ = 1, groups do -- lease sets: n, then n lease ids
-  local n = tonumber(ARGV[i])
-  redis.call('ZREM', KEYS[k], unpack(ARGV, i + 1, i + n))
-  k, i = k + 1, i + 1 + n
-end
-groups = tonumber(ARGV[i])
-i = i + 1
-for _ = 1, groups do -- budget counters: tokens, ttl (s, 0: forever)
-  redis.call('INCRBY', KEYS[k], ARGV[i])
-  local ttl = tonumber(ARGV[i + 1])
-  if ttl > 0 then redis.call('EXPIRE', KEYS[k], ttl) end
-  k, i = k + 1, i + 2
-end
-groups = tonumber(ARGV[i])
-i = i + 1
-for _ = 1, groups do -- usage hashes: ttl (s), n, then n (field, increment) pairs
-  local ttl, n = ARGV[i], tonumber(ARGV[i + 1])
-  for j = i + 2, i + 2 * n, 2 do redis.call('HINCRBY', KEYS[k], ARGV[j], ARGV[j + 1]) end
-  redis.call('EXPIRE', KEYS[k], ttl)
-  k, i = k + 1, i + 2 + 2 * n
-end
-return k - 1
+return settle_many(1, 1, now) - 1
 """
 
 
