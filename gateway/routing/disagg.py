@@ -38,7 +38,7 @@ import orjson
 from prometheus_client import Counter
 
 from .. import metrics
-from ..config.balancer import QueueConfig
+from ..config.balancer import DEFAULT_PRIORITY, QueueConfig
 from ..config.disagg import MIGRATION_PROTOCOL_VALUE, ModelServing
 from ..errors import Refusal, model_not_found, sse_error_event
 from ..filters import RequestContext
@@ -315,8 +315,10 @@ class PDDispatcher:
         return self.queue
 
     def _room(self, prefills: Any, req: PDRequest, priority: int) -> list[Backend]:
+        """The queue's ``room``: it has left out the prefill instances kept for interactive requests
+        (``Admission.fit``); the decode instances kept for them are left out here."""
         adm = self.queue.admission  # type: ignore[union-attr]
-        decodes = [b for b in self.pool.eligible(req.model) if b.role == "decode"]
+        decodes = self._decodes(req, [b for b in self.pool.eligible(req.model) if b.role == "decode"], priority)
         if adm.reserving(req.model, priority):  # leave slots and an empty prefill queue to interactive requests
             fit, wait = self.picker.room_or_wait(prefills, decodes, req, min(adm.config.hold_wait, LOW_PREFILL_AHEAD), adm.config.reserve)
         else:
@@ -324,6 +326,19 @@ class PDDispatcher:
         if not fit and wait < math.inf:
             self._recheck(req.model, wait)
         return fit
+
+    def _decodes(self, req: PDRequest, decodes: list[Backend], priority: int | None) -> list[Backend]:
+        """The decode instances req's class may take: below interactive, while interactive requests
+        come, not those kept for them (``Admission.kept``: they took most of the interactive
+        decodes; a batch sequence there slows the steps of most interactive requests)."""
+        if self.queue is None or priority is None or not self.queue.admission.reserving(req.model, priority):
+            return decodes
+        return list(self.queue.admission.unkept(req.model, decodes))
+
+    def _decode_bound(self, req: PDRequest, d: Backend) -> None:
+        """An interactive request's decode instance counts for the decode instances kept for them."""
+        if self.queue is not None and req.priority is not None and req.priority >= DEFAULT_PRIORITY:
+            self.queue.admission.top_bound(req.model, d)
 
     def _recheck(self, model: str, wait: float) -> None:
         """Wake the queue when a decode slot is predicted in time: no response ends then, yet the
@@ -441,7 +456,8 @@ class PDDispatcher:
                     return result  # the prefill instance's own answer (an error) went to the client
                 # Decode instances as they are now: the request may have waited in the queue meanwhile.
                 ds = [b for b in self.pool.eligible(model) if b.role == "decode" and b.id not in tried_d] or ds
-                d = self.picker.pick_decode(ds, req.decode_tokens)
+                d = self.picker.pick_decode(self._decodes(req, ds, req.priority), req.decode_tokens)
+                self._decode_bound(req, d)
                 status = await self._decode_phase(p, d, result, serving, ctx, body, path, headers, send, reply, last, req)
                 if status is not None:
                     return status
