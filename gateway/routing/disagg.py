@@ -18,7 +18,11 @@ As lmdeploy's proxy does it (``serve/proxy/proxy.py``, ``pytorch/disagg/conn/pro
 Admission goes through the gateway queue (``queue.Admission``, as for hybrid models: priority
 classes, fair shares among keys, max wait and shedding): the queue binds a request to a prefill
 instance once one has room (``PDPicker.room``), and the decode instance is picked when the prefill
-is done. Retries are picked at once, as the router's are.
+is done. Retries are picked at once, as the router's are. Classes below interactive, while
+interactive requests come, leave ``reserve`` of the prefill slots free and are kept off the prefill
+and the decode instances that took more than ``pd_keep_share`` times an even share of the recent
+interactive requests (``Admission.kept``: the queue leaves out such prefill instances, this module
+such decode instances, in ``room`` and when it picks the decode).
 
 Only the gateway ever sets ``migration_request``, ``with_cache`` or ``preserve_cache``: the body
 filter removes them from every client body before this module sees it. Retries follow the
@@ -28,6 +32,7 @@ router's rule: only before the client saw a byte, and a failed attempt's prefill
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -311,6 +316,8 @@ class PDDispatcher:
         def prefills(model: str) -> list[Backend]:
             return [b for b in self.pool.eligible(model) if b.role == "prefill"]
 
+        # Its own Admission (the hybrid models' is the router's): the PD share of interactive binds keeps instances.
+        config = dataclasses.replace(config, keep_share=config.pd_keep_share)
         self.queue = GatewayQueue(Admission(config, self.picker, prefills, clock, room=self._room))
         return self.queue
 
@@ -335,10 +342,13 @@ class PDDispatcher:
             return decodes
         return list(self.queue.admission.unkept(req.model, decodes))
 
-    def _decode_bound(self, req: PDRequest, d: Backend) -> None:
-        """An interactive request's decode instance counts for the decode instances kept for them."""
+    def pick_decode(self, req: PDRequest, decodes: list[Backend]) -> Backend:
+        """req's decode instance (its prefill is done), among those its class may take; an
+        interactive request's counts for the decode instances kept for them."""
+        d = self.picker.pick_decode(self._decodes(req, decodes, req.priority), req.decode_tokens)
         if self.queue is not None and req.priority is not None and req.priority >= DEFAULT_PRIORITY:
             self.queue.admission.top_bound(req.model, d)
+        return d
 
     def _recheck(self, model: str, wait: float) -> None:
         """Wake the queue when a decode slot is predicted in time: no response ends then, yet the
@@ -456,8 +466,7 @@ class PDDispatcher:
                     return result  # the prefill instance's own answer (an error) went to the client
                 # Decode instances as they are now: the request may have waited in the queue meanwhile.
                 ds = [b for b in self.pool.eligible(model) if b.role == "decode" and b.id not in tried_d] or ds
-                d = self.picker.pick_decode(self._decodes(req, ds, req.priority), req.decode_tokens)
-                self._decode_bound(req, d)
+                d = self.pick_decode(req, ds)
                 status = await self._decode_phase(p, d, result, serving, ctx, body, path, headers, send, reply, last, req)
                 if status is not None:
                     return status
