@@ -289,6 +289,24 @@ def test_lower_classes_keep_off_the_prefill_and_decode_instances_most_interactiv
     assert disp.pick_decode(batch, [d0, d1]) is d0 and adm.room([p0], batch, BATCH) == [p0]
 
 
+def test_keys_of_a_class_take_turns_for_the_prefill_instances():
+    clock = Clock()
+    disp, (p0, p1), _ = pd_dispatcher(1.0, clock)
+    adm = disp.queue.admission
+    for p in (p0, p1):
+        p.slots, p.in_flight = 1, 1  # both prefill slots taken: every request waits
+    burst = [adm.admit(pd_req(tokens=2000), "bulk", BATCH) for _ in range(4)]
+    other = adm.admit(pd_req(tokens=2000), "other", BATCH)
+    assert all(isinstance(w, Waiter) for w in [*burst, other])
+    order = []
+    for _ in range(3):
+        p0.in_flight = 0  # its prefill is done: one waiter may start
+        (w,) = adm.drain("m")
+        order.append(w)
+    # Deficit round robin: the other key's one request goes second, not after the burst.
+    assert order == [burst[0], other, burst[1]]
+
+
 def test_pd_keep_share_is_the_dispatchers_and_keep_share_the_routers():
     config = parse_config({"auth": {"disabled": True}, "backends": [{"url": "http://127.0.0.1:1"}],
                            "balancer": {"queue": {"keep_share": 2.0, "pd_keep_share": 1.2}}})
