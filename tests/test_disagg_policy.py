@@ -7,16 +7,22 @@ import math
 import httpx
 import pytest
 
-from gateway.config.balancer import DEFAULT_PRIORITY, QueueConfig
+from gateway.config import parse_config
+from gateway.config.balancer import DEFAULT_PRIORITY, PRIORITY_NAMES, QueueConfig
+from gateway.config.core import HealthConfig
+from gateway.config.disagg import ModelServing
+from gateway.routing.disagg import PDDispatcher
 from gateway.routing.pd_policy import PDPicker, PDRequest
 from gateway.routing.policies import Outcome
-from gateway.routing.pool import Backend
+from gateway.routing.pool import Backend, BackendPool
 from gateway.routing.queue import Admission, Waiter
 from gateway.routing.signals import Signals
 from support import GatewayServer, wait_until
 from test_disagg_e2e import ds, instances, pd_config, recorded, sim_control
 
 pytestmark = pytest.mark.e2e
+INTERACTIVE = PRIORITY_NAMES["interactive"]
+BATCH = PRIORITY_NAMES["batch"]
 
 
 def backends(n: int, role: str) -> list[Backend]:
@@ -230,6 +236,85 @@ def test_decode_prefers_light_load_and_kv_room():
     b.remote_in_flight = 2  # b's slots taken through another replica: a, though it runs more of ours
     a.in_flight = 1
     assert picker.pick_decode([a, b], 1000) is a
+
+
+def pd_dispatcher(pd_keep_share: float, clock) -> tuple[PDDispatcher, list[Backend], list[Backend]]:
+    """A dispatcher with its queue over two prefill and two decode instances of model m."""
+    pool = BackendPool(HealthConfig())
+    ps, dec = backends(2, "prefill"), backends(2, "decode")
+    for b in ps + dec:
+        b.models = frozenset({"m"})
+        pool.add(b)
+    disp = PDDispatcher(pool, {"m": ModelServing("m", serving="distserve")})
+    disp.enable_queue(QueueConfig(pd_keep_share=pd_keep_share), clock)
+    return disp, ps, dec
+
+
+@pytest.mark.parametrize("pd_keep_share, kept", [(1.0, True), (0.0, False)])
+def test_lower_classes_keep_off_the_prefill_and_decode_instances_most_interactive_requests_use(pd_keep_share, kept):
+    clock = Clock()
+    disp, (p0, p1), (d0, d1) = pd_dispatcher(pd_keep_share, clock)
+    adm = disp.queue.admission
+    disp.pool.set_draining(p1, True)  # meanwhile the interactive requests can only go to p0 and d0
+    for i in range(20):
+        r = pd_req(tokens=2000)
+        assert adm.admit(r, "ui", INTERACTIVE) is p0
+        disp.picker.completed(p0, r, Outcome(status=200, ok=True, ttft=0.1))
+        assert disp.pick_decode(r, [d0]) is d0
+    disp.pool.set_draining(p1, False)
+    # Both prefill instances idle, the same prompt start (one affinity home): without the rule the first
+    # batch prefill goes to either and the second (0.1 s queued ahead is more than it may find) to the other.
+    flood = [PDRequest(model="m", prompt_tokens=2000, prompt=b"batch %d" % i, decode_tokens=2100) for i in range(2)]
+    got = [adm.admit(r, "bulk", BATCH) for r in flood]
+    if kept:
+        assert got[0] is p1 and isinstance(got[1], Waiter), got
+        adm.cancel(got[1])
+    else:
+        assert {got[0], got[1]} == {p0, p1}, got
+    for r, b in zip(flood, got):
+        if isinstance(b, Backend):  # the prefills are done
+            disp.picker.completed(b, r, Outcome(status=200, ok=True, ttft=0.1))
+    # The decode (the queue set each request's class): d0 is the lighter, yet a batch request leaves it to the interactive ones.
+    batch, interactive = pd_req(), pd_req()
+    batch.priority, interactive.priority = BATCH, INTERACTIVE
+    disp.picker.decode_started(d1, 100)
+    assert disp.pick_decode(batch, [d0, d1]) is (d1 if kept else d0)
+    assert disp.pick_decode(interactive, [d0, d1]) is d0
+    # Room (the dispatcher's, which the queue asks): with d1 without a free slot, a batch request waits
+    # (d0 is not its to take) while an interactive one starts.
+    d1.slots, d1.in_flight = 1, 1
+    assert (adm.room([p0], batch, BATCH) == []) is kept
+    assert adm.room([p0], interactive, INTERACTIVE) == [p0]
+    clock.now += 31.0  # no interactive request lately: every instance takes batch work again
+    assert disp.pick_decode(batch, [d0, d1]) is d0 and adm.room([p0], batch, BATCH) == [p0]
+
+
+def test_keys_of_a_class_take_turns_for_the_prefill_instances():
+    clock = Clock()
+    disp, (p0, p1), _ = pd_dispatcher(1.0, clock)
+    adm = disp.queue.admission
+    for p in (p0, p1):
+        p.slots, p.in_flight = 1, 1  # both prefill slots taken: every request waits
+    burst = [adm.admit(pd_req(tokens=2000), "bulk", BATCH) for _ in range(4)]
+    other = adm.admit(pd_req(tokens=2000), "other", BATCH)
+    assert all(isinstance(w, Waiter) for w in [*burst, other])
+    order = []
+    for _ in range(3):
+        p0.in_flight = 0  # its prefill is done: one waiter may start
+        (w,) = adm.drain("m")
+        order.append(w)
+    # Deficit round robin: the other key's one request goes second, not after the burst.
+    assert order == [burst[0], other, burst[1]]
+
+
+def test_pd_keep_share_is_the_dispatchers_and_keep_share_the_routers():
+    config = parse_config({"auth": {"disabled": True}, "backends": [{"url": "http://127.0.0.1:1"}],
+                           "balancer": {"queue": {"keep_share": 2.0, "pd_keep_share": 1.2}}})
+    assert config.balancer.queue.keep_share == 2.0 and config.balancer.queue.pd_keep_share == 1.2
+    disp, _, _ = pd_dispatcher(1.0, Clock())
+    assert QueueConfig().pd_keep_share == 1.0 and disp.queue.admission.config.keep_share == 1.0
+    disp.enable_queue(config.balancer.queue, Clock())
+    assert disp.queue.admission.config.keep_share == 1.2
 
 
 def test_a_failed_decode_is_retried_on_another_and_its_prefill_blocks_freed(keys, tmp_path, monkeypatch):

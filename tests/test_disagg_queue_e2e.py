@@ -28,7 +28,7 @@ def log_dir(tmp_path, monkeypatch):
 
 
 def pd_queue_config(keys: Keys, queue: dict[str, Any], prefill: int = 1, prefill_ttft: float = 0.5, prefill_slots: int = 1,
-                    decode_slots: int | None = None, decode_tpot: float = 0.002) -> dict[str, Any]:
+                    decode_slots: int | None = None, decode_tpot: float = 0.002, decode: int = 1) -> dict[str, Any]:
     group = {"model": "sim-model", "model_name": "pd", "engine": "sim", "backend": "pytorch", "health_interval": 0.2, "restart_backoff": 0.05}
     return gateway_config(
         keys,  # type: ignore[arg-type]
@@ -36,7 +36,7 @@ def pd_queue_config(keys: Keys, queue: dict[str, Any], prefill: int = 1, prefill
         launch=[
             # One slot (the launcher tells the pool: Backend.slots), and each prefill takes prefill_ttft.
             {**group, "role": "prefill", "instances": prefill, "max_batch_size": prefill_slots, "sim": {"ttft": prefill_ttft, "tpot": 0.002}},
-            {**group, "role": "decode", "instances": 1, "sim": {"ttft": 0.005, "tpot": decode_tpot},
+            {**group, "role": "decode", "instances": decode, "sim": {"ttft": 0.005, "tpot": decode_tpot},
              **({"max_batch_size": decode_slots} if decode_slots is not None else {})},
         ],
         models={"pd": {"serving": "distserve"}},
@@ -57,8 +57,8 @@ def prefills_seen(b) -> list[str]:
     return [r["body"]["messages"][0]["content"] for r in recorded(b) if r["path"] == CHAT]
 
 
-def started(gw: GatewayServer, n: int) -> GatewayServer:
-    wait_until(lambda: len(gw.gateway.pool) == n + 1 and all(b.healthy for b in gw.gateway.pool), 30, 0.02, "prefill and decode healthy")
+def started(gw: GatewayServer, n: int, decode: int = 1) -> GatewayServer:
+    wait_until(lambda: len(gw.gateway.pool) == n + decode and all(b.healthy for b in gw.gateway.pool), 30, 0.02, "prefill and decode healthy")
     return gw
 
 
@@ -141,3 +141,27 @@ async def test_a_burst_never_overfills_the_decode_batch_and_none_hangs(log_dir):
         assert stats["peak_in_flight"] <= 2, stats  # never more than its batch slots
         assert waiting(gw) == 0
         assert sum(b.in_flight for b in gw.gateway.pool) == 0
+
+
+async def test_a_batch_key_keeps_off_the_prefill_and_decode_instances_the_interactive_requests_use(log_dir):
+    keys = Keys()
+    head = "x" * 600  # one prompt start: prefix affinity sends every prompt to one prefill instance when they are idle
+    with GatewayServer(pd_queue_config(keys, {"max_wait": {"interactive": 30, "batch": 60}}, prefill=2, prefill_ttft=0.02, prefill_slots=8, decode=2),
+                       wait_healthy=False) as gw:
+        started(gw, 2, decode=2)
+        async with httpx.AsyncClient(base_url=gw.url, timeout=60) as client:
+            for i in range(16):  # one at a time: the same prefill instance (affinity), mostly the same decode instance (all idle)
+                assert (await send(client, keys.ui, body(f"{head} ui-{i}")))[0] == 200
+            for i in range(4):  # without the rule these would go there too (the same start, idle instances)
+                assert (await send(client, keys.bulk, body(f"{head} bulk-{i}")))[0] == 200
+
+        def got(b) -> list[str]:
+            return [c.split()[1].split("-")[0] for c in prefills_seen(b)]
+
+        by_prefill = {b.id: got(b) for b in instances(gw, "prefill")}
+        by_decode = {b.id: got(b) for b in instances(gw, "decode")}
+        for seen in (by_prefill, by_decode):
+            home = max(seen, key=lambda k: seen[k].count("ui"))
+            assert seen[home].count("ui") > 8, seen  # more than half of the interactive requests: kept (pd_keep_share 1)
+            assert "bulk" not in seen[home] and sum(v.count("bulk") for v in seen.values()) == 4, seen
+        assert waiting(gw) == 0

@@ -223,6 +223,7 @@ def test_priority_classes_and_waits_are_configured_by_name_or_number():
         ({"balancer": {"queue": {"holdwait": 1}}}, "balancer.queue.holdwait: unknown field (did you mean 'hold_wait'?)"),
         ({"balancer": {"queue": {"keep_share": -1}}}, "balancer.queue.keep_share: "),
         ({"balancer": {"queue": {"keep_share": "most"}}}, "balancer.queue.keep_share: "),
+        ({"balancer": {"queue": {"pd_keep_share": -1}}}, "balancer.queue.pd_keep_share: "),
     ],
 )
 def test_bad_queue_config_is_refused_with_a_clear_message(section, message):

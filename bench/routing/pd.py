@@ -2,6 +2,7 @@
 
     python -m bench.routing.pd --quick      # 4 simulated GPUs, 20 s per mode: about 1.5 min
     python -m bench.routing.pd              # 60 s per mode
+    python -m bench.routing.pd --mixed      # PD only: interactive TTFT alone and beside a batch flood
 
 Each mode is one gateway (`gateway serve`) that launches its own simulators (launch groups,
 `engine: sim`): hybrid = N instances; PD = N/2 prefill + N/2 decode (`models.<m>.serving:
@@ -13,12 +14,19 @@ Why the two differ (the sim's cost model, gateway/sim/engine.py): an engine step
 of the prompts admitted in it plus one decode pass, so on a hybrid instance every long prompt that
 arrives stalls the tokens of all sequences running there; a decode instance receives the KV by
 migration and never prefills, while prefill instances never decode.
+
+``--mixed`` (issue 13's priorities in PD mode): PD only, two runs with a fresh gateway each. Key
+``ui`` (interactive) sends short requests (``--ui-prompt-tokens``, 16 output tokens) at ``--ui-load``
+of the prefill instances' capacity (their prefill tokens per second); alone, then beside key
+``bulk`` (batch), the long prompts at ``--bulk-load`` in bursts of 20 (as ``bench.routing --mixed``).
+Reported: ui TTFT p50/p99 alone and beside the flood, refusals (shed) per key, bulk completions.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import random
 import statistics
 import sys
@@ -33,6 +41,7 @@ import orjson
 import yaml
 
 from .fleet import _Proc, free_port
+from .run import KEYS, balancer_config
 
 MODEL = "pd-bench"
 # Slower than a GPU like the routing bench's sims, so a 2-core machine can relay the frames.
@@ -41,7 +50,8 @@ CHARS_PER_TOKEN = 4  # the simulator's tokenizer (gateway/sim/tokens.py)
 
 
 class GatewayWithSims(_Proc):
-    def __init__(self, workdir: Path, mode: str, gpus: int, max_batch_size: int = 64):
+    def __init__(self, workdir: Path, mode: str, gpus: int, max_batch_size: int = 64, keys: dict[str, tuple[str, str]] | None = None, balancer: dict | None = None):
+        """keys: name -> (secret, priority class), as the routing bench's; without, authentication is off."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         group = {"model": "sim/pd-bench", "model_name": MODEL, "engine": "sim", "backend": "pytorch", "sim": SIM, "max_batch_size": max_batch_size}
@@ -51,14 +61,19 @@ class GatewayWithSims(_Proc):
         else:
             launch = [{**group, "role": "prefill", "instances": gpus // 2}, {**group, "role": "decode", "instances": gpus - gpus // 2}]
             models = {MODEL: {"serving": "distserve"}}
+        auth: dict = {"disabled": True}
+        if keys:
+            auth = {"keys": [{"name": n, "hash": "sha256:" + hashlib.sha256(k.encode()).hexdigest(), "priority": p} for n, (k, p) in keys.items()]}
         config = {
-            "auth": {"disabled": True},
+            "auth": auth,
             "launch": launch,
             "models": models,
             "health": {"interval": 1.0, "timeout": 2.0},
             "server": {"host": "127.0.0.1", "port": self.port, "log_level": "warning"},
         }
-        path = workdir / f"gateway-{mode}.yaml"
+        if balancer:
+            config["balancer"] = balancer
+        path = workdir / f"gateway-{mode}-{self.port}.yaml"
         path.write_text(yaml.safe_dump(config))
         super().__init__([sys.executable, "-m", "gateway", "serve", "--config", str(path)], f"gateway ({mode})")
         self._wait(lambda: httpx.get(self.url + "/ready", timeout=2).json().get("healthy_backends") == gpus, 60)
@@ -69,20 +84,52 @@ class Trace:
     at: list[float] = field(default_factory=list)
     prompts: list[str] = field(default_factory=list)
     max_tokens: int = 48
+    keys: list[str] = field(default_factory=list)  # per request, the key's name (mixed runs); empty: none
+    outs: list[int] = field(default_factory=list)  # per request, its max_tokens (mixed runs); empty: max_tokens
+
+
+WORDS = ["alpha", "beta", "gamma", "delta", "kappa", "sigma", "omega", "lambda"]
+
+
+def _prompt(rng: random.Random, tag: str, tokens: int) -> str:
+    body = " ".join(rng.choice(WORDS) for _ in range(tokens * CHARS_PER_TOKEN // 6 + 1))
+    return f"request {tag}: " + body  # distinct from the first block: no prefix reuse
 
 
 def make_trace(seed: int, rate: float, duration: float, prompt_tokens: tuple[int, int]) -> Trace:
     rng = random.Random(seed)
     t, trace = 0.0, Trace()
-    words = ["alpha", "beta", "gamma", "delta", "kappa", "sigma", "omega", "lambda"]
     while t < duration:
         t += rng.expovariate(rate)
-        n = rng.randint(*prompt_tokens)
-        head = f"request {len(trace.at)} seed {seed}: "  # distinct from the first block: no prefix reuse
-        body = " ".join(rng.choice(words) for _ in range(n * CHARS_PER_TOKEN // 6 + 1))
         trace.at.append(t)
-        trace.prompts.append(head + body)
+        trace.prompts.append(_prompt(rng, f"{len(trace.at) - 1} seed {seed}", rng.randint(*prompt_tokens)))
     return trace
+
+
+def mixed_trace(seed: int, duration: float, ui_rate: float, ui_tokens: tuple[int, int], bulk_rate: float, bulk_tokens: tuple[int, int]) -> Trace:
+    """Key ui: Poisson arrivals of short prompts, 16 output tokens. Key bulk (when ``bulk_rate``): long
+    prompts, 48 output tokens, in bursts of 20 at ``bulk_rate`` on average (as ``trace.mixed_trace``)."""
+    rng = random.Random(seed)
+    items: list[tuple[float, str, str, int]] = []
+    t = 0.0
+    while True:
+        t += rng.expovariate(ui_rate)
+        if t >= duration:
+            break
+        items.append((t, "ui", _prompt(rng, f"ui {len(items)} seed {seed}", rng.randint(*ui_tokens)), 16))
+    if bulk_rate > 0:
+        brng = random.Random(seed + 1000)  # the ui requests are the same with and without the flood
+        t, burst_at, j = 0.0, 0.0, 0
+        while True:
+            t += brng.expovariate(bulk_rate)
+            if t >= duration:
+                break
+            if j % 20 == 0:
+                burst_at = t + brng.uniform(0, 1)
+            items.append((min(duration, burst_at + 0.01 * (j % 20)), "bulk", _prompt(brng, f"bulk {j} seed {seed}", brng.randint(*bulk_tokens)), 48))
+            j += 1
+    items.sort(key=lambda x: x[0])
+    return Trace(at=[x[0] for x in items], prompts=[x[2] for x in items], keys=[x[1] for x in items], outs=[x[3] for x in items])
 
 
 @dataclass
@@ -90,19 +137,26 @@ class Sample:
     ok: bool
     ttft: float | None
     gaps: list[float]
+    key: str = ""
+    status: int = 0
 
 
-async def one(session: aiohttp.ClientSession, url: str, at: float, prompt: str, max_tokens: int, start: float) -> Sample:
+async def one(session: aiohttp.ClientSession, url: str, at: float, prompt: str, max_tokens: int, start: float, key: str = "") -> Sample:
     loop = asyncio.get_running_loop()
     await asyncio.sleep(max(0.0, start + at - loop.time()))
     body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "stream": True}
+    headers = {"content-type": "application/json"}
+    if key:
+        headers["authorization"] = f"Bearer {KEYS[key][0]}"
     t0 = loop.time()
     last = None
     ttft = None
     gaps: list[float] = []
     ok = False
+    status = 0
     try:
-        async with session.post(url + "/v1/chat/completions", data=orjson.dumps(body), headers={"content-type": "application/json"}) as r:
+        async with session.post(url + "/v1/chat/completions", data=orjson.dumps(body), headers=headers) as r:
+            status = r.status
             buf = b""
             async for chunk in r.content.iter_any():
                 now = loop.time()
@@ -119,14 +173,16 @@ async def one(session: aiohttp.ClientSession, url: str, at: float, prompt: str, 
                     ok = r.status == 200
     except (aiohttp.ClientError, asyncio.TimeoutError):
         ok = False
-    return Sample(ok, ttft, gaps)
+    return Sample(ok, ttft, gaps, key, status)
 
 
 async def run_trace(url: str, trace: Trace) -> list[Sample]:
     timeout = aiohttp.ClientTimeout(total=300)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         start = asyncio.get_running_loop().time() + 0.2
-        return await asyncio.gather(*(one(session, url, at, p, trace.max_tokens, start) for at, p in zip(trace.at, trace.prompts)))
+        keys = trace.keys or [""] * len(trace.at)
+        outs = trace.outs or [trace.max_tokens] * len(trace.at)
+        return await asyncio.gather(*(one(session, url, at, p, n, start, k) for at, p, n, k in zip(trace.at, trace.prompts, outs, keys)))
 
 
 def pct(values: list[float], q: float) -> float:
@@ -134,6 +190,48 @@ def pct(values: list[float], q: float) -> float:
         return float("nan")
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def run_mixed(args: argparse.Namespace, duration: float) -> int:
+    """Interactive TTFT in PD mode, alone and beside a batch flood from another key."""
+    prefills = args.gpus // 2
+    capacity = prefills * SIM["prefill_tokens_per_s"]  # prompt tokens per second the prefill instances take
+    ui_rate = args.ui_load * capacity / (sum(args.ui_prompt_tokens) / 2)
+    bulk_rate = args.bulk_load * capacity / (sum(args.prompt_tokens) / 2)
+    alone = mixed_trace(args.seed, duration, ui_rate, tuple(args.ui_prompt_tokens), 0.0, tuple(args.prompt_tokens))
+    flood = mixed_trace(args.seed, duration, ui_rate, tuple(args.ui_prompt_tokens), bulk_rate, tuple(args.prompt_tokens))
+    balancer = balancer_config(args.knobs, {}) if args.knobs else None
+    print(f"PD mixed priority: seed {args.seed}, {prefills}P+{args.gpus - prefills}D, {duration:g} s; ui (interactive) {ui_rate:.2f} req/s "
+          f"({args.ui_load:.0%} of prefill capacity, prompts {args.ui_prompt_tokens[0]}-{args.ui_prompt_tokens[1]} tokens, 16 out), "
+          f"bulk (batch) {bulk_rate:.2f} req/s ({args.bulk_load:.0%}, prompts {args.prompt_tokens[0]}-{args.prompt_tokens[1]}, 48 out, bursts of 20); "
+          f"{args.max_batch_size} slots per instance; balancer {balancer or 'defaults'}")
+    print(f"sim: {SIM}")
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="pd-bench-") as tmp:
+        for name, trace in (("alone", alone), ("flood", flood)):
+            gw = GatewayWithSims(Path(tmp), "pd", args.gpus, args.max_batch_size, keys=KEYS, balancer=balancer)
+            try:
+                samples = asyncio.run(run_trace(gw.url, trace))
+            finally:
+                gw.stop()
+            ui = [s for s in samples if s.key == "ui"]
+            ui = ui[len(ui) // 10:]  # warm-up
+            bulk = [s for s in samples if s.key == "bulk"]
+            ttfts = [s.ttft for s in ui if s.ttft is not None]
+            out[name] = {
+                "ui_n": len(ui), "ui_p50": pct(ttfts, 0.5), "ui_p99": pct(ttfts, 0.99),
+                "ui_shed": sum(1 for s in ui if s.status in (429, 503)), "ui_err": sum(1 for s in ui if not s.ok and s.status not in (429, 503)),
+                "bulk_n": len(bulk), "bulk_done": sum(1 for s in bulk if s.ok), "bulk_shed": sum(1 for s in bulk if s.status in (429, 503)),
+                "bulk_p50": pct([s.ttft for s in bulk if s.ttft is not None], 0.5),
+            }
+            print(f"  {name}: {out[name]}", flush=True)
+    a, f = out["alone"], out["flood"]
+    change = 100 * (f["ui_p99"] / a["ui_p99"] - 1) if a["ui_p99"] > 0 else float("nan")
+    print(f"\n{'ui ttft p50 alone':>18}{'p50 flood':>10}{'ui ttft p99 alone':>18}{'p99 flood':>10}{'change':>8}{'ui shed':>8}{'ui err':>7}"
+          f"{'bulk shed':>10}{'bulk done':>10}{'bulk ttft p50':>14}   seconds")
+    print(f"{a['ui_p50']:>18.3f}{f['ui_p50']:>10.3f}{a['ui_p99']:>18.3f}{f['ui_p99']:>10.3f}{change:>+7.0f}%{f['ui_shed']:>8d}{f['ui_err']:>7d}"
+          f"{f['bulk_shed']:>10d}{f['bulk_done']:>7d}/{f['bulk_n']:<3d}{f['bulk_p50']:>13.3f}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,8 +242,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--max-batch-size", type=int, default=64, help="batch slots of every instance; small, the decode instances' slots bind before their KV")
     ap.add_argument("--prompt-tokens", type=int, nargs=2, default=(2000, 6000), metavar=("MIN", "MAX"))
+    ap.add_argument("--mixed", action="store_true", help="PD only: interactive short requests (key ui) alone and beside a batch flood (key bulk) in bursts")
+    ap.add_argument("--duration", type=float, default=None, help="trace seconds (default 60, --quick 20; --mixed 30)")
+    ap.add_argument("--ui-load", type=float, default=0.4, help="--mixed: the interactive key's prompt tokens per second, a share of the prefill instances' capacity")
+    ap.add_argument("--bulk-load", type=float, default=1.0, help="--mixed: the batch flood's, likewise")
+    ap.add_argument("--ui-prompt-tokens", type=int, nargs=2, default=(500, 1500), metavar=("MIN", "MAX"), help="--mixed: the interactive prompts (the flood's: --prompt-tokens)")
+    ap.add_argument("--knobs", default="", help="--mixed: balancer settings, field=value+queue.field=value (as bench.routing's --policies)")
     args = ap.parse_args(argv)
-    duration = 20.0 if args.quick else 60.0
+    duration = args.duration or (20.0 if args.quick else 30.0 if args.mixed else 60.0)
+    if args.mixed:
+        return run_mixed(args, duration)
     trace = make_trace(args.seed, args.rate, duration, tuple(args.prompt_tokens))
     print(f"PD bench: seed {args.seed}, {args.gpus} simulated GPUs per mode, {len(trace.at)} requests over {duration:g} s "
           f"({args.rate:g} req/s), {args.max_batch_size} batch slots per instance, prompts {args.prompt_tokens[0]}-{args.prompt_tokens[1]} tokens, {trace.max_tokens} output tokens, streamed")

@@ -18,7 +18,11 @@ As lmdeploy's proxy does it (``serve/proxy/proxy.py``, ``pytorch/disagg/conn/pro
 Admission goes through the gateway queue (``queue.Admission``, as for hybrid models: priority
 classes, fair shares among keys, max wait and shedding): the queue binds a request to a prefill
 instance once one has room (``PDPicker.room``), and the decode instance is picked when the prefill
-is done. Retries are picked at once, as the router's are.
+is done. Retries are picked at once, as the router's are. Classes below interactive, while
+interactive requests come, leave ``reserve`` of the prefill slots free and are kept off the prefill
+and the decode instances that took more than ``pd_keep_share`` times an even share of the recent
+interactive requests (``Admission.kept``: the queue leaves out such prefill instances, this module
+such decode instances, in ``room`` and when it picks the decode).
 
 Only the gateway ever sets ``migration_request``, ``with_cache`` or ``preserve_cache``: the body
 filter removes them from every client body before this module sees it. Retries follow the
@@ -28,6 +32,7 @@ router's rule: only before the client saw a byte, and a failed attempt's prefill
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -38,7 +43,7 @@ import orjson
 from prometheus_client import Counter
 
 from .. import metrics
-from ..config.balancer import QueueConfig
+from ..config.balancer import DEFAULT_PRIORITY, QueueConfig
 from ..config.disagg import MIGRATION_PROTOCOL_VALUE, ModelServing
 from ..errors import Refusal, model_not_found, sse_error_event
 from ..filters import RequestContext
@@ -311,12 +316,16 @@ class PDDispatcher:
         def prefills(model: str) -> list[Backend]:
             return [b for b in self.pool.eligible(model) if b.role == "prefill"]
 
+        # Its own Admission (the hybrid models' is the router's): the PD share of interactive binds keeps instances.
+        config = dataclasses.replace(config, keep_share=config.pd_keep_share)
         self.queue = GatewayQueue(Admission(config, self.picker, prefills, clock, room=self._room))
         return self.queue
 
     def _room(self, prefills: Any, req: PDRequest, priority: int) -> list[Backend]:
+        """The queue's ``room``: it has left out the prefill instances kept for interactive requests
+        (``Admission.fit``); the decode instances kept for them are left out here."""
         adm = self.queue.admission  # type: ignore[union-attr]
-        decodes = [b for b in self.pool.eligible(req.model) if b.role == "decode"]
+        decodes = self._decodes(req, [b for b in self.pool.eligible(req.model) if b.role == "decode"], priority)
         if adm.reserving(req.model, priority):  # leave slots and an empty prefill queue to interactive requests
             fit, wait = self.picker.room_or_wait(prefills, decodes, req, min(adm.config.hold_wait, LOW_PREFILL_AHEAD), adm.config.reserve)
         else:
@@ -324,6 +333,22 @@ class PDDispatcher:
         if not fit and wait < math.inf:
             self._recheck(req.model, wait)
         return fit
+
+    def _decodes(self, req: PDRequest, decodes: list[Backend], priority: int | None) -> list[Backend]:
+        """The decode instances req's class may take: below interactive, while interactive requests
+        come, not those kept for them (``Admission.kept``: they took most of the interactive
+        decodes; a batch sequence there slows the steps of most interactive requests)."""
+        if self.queue is None or priority is None or not self.queue.admission.reserving(req.model, priority):
+            return decodes
+        return list(self.queue.admission.unkept(req.model, decodes))
+
+    def pick_decode(self, req: PDRequest, decodes: list[Backend]) -> Backend:
+        """req's decode instance (its prefill is done), among those its class may take; an
+        interactive request's counts for the decode instances kept for them."""
+        d = self.picker.pick_decode(self._decodes(req, decodes, req.priority), req.decode_tokens)
+        if self.queue is not None and req.priority is not None and req.priority >= DEFAULT_PRIORITY:
+            self.queue.admission.top_bound(req.model, d)
+        return d
 
     def _recheck(self, model: str, wait: float) -> None:
         """Wake the queue when a decode slot is predicted in time: no response ends then, yet the
@@ -441,7 +466,7 @@ class PDDispatcher:
                     return result  # the prefill instance's own answer (an error) went to the client
                 # Decode instances as they are now: the request may have waited in the queue meanwhile.
                 ds = [b for b in self.pool.eligible(model) if b.role == "decode" and b.id not in tried_d] or ds
-                d = self.picker.pick_decode(ds, req.decode_tokens)
+                d = self.pick_decode(req, ds)
                 status = await self._decode_phase(p, d, result, serving, ctx, body, path, headers, send, reply, last, req)
                 if status is not None:
                     return status

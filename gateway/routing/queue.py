@@ -227,10 +227,7 @@ class Admission:
         hold = self.config.hold_wait
         if self.reserving(req.model, priority):
             # While interactive requests come, it must not slow their steps nor queue its prefill
-            # in front of theirs.
-            kept = self.kept(req.model, candidates)
-            if kept:
-                candidates = [b for b in candidates if b.id not in kept]
+            # in front of theirs (the backends kept for them are left out already: ``fit``).
             preds = self.balancer.predict(candidates, req)
             reserve = self.config.reserve
             fit = [b for b, p in zip(candidates, preds)
@@ -253,9 +250,32 @@ class Admission:
         interactive requests for the model came lately."""
         return priority < DEFAULT_PRIORITY and self.clock() - self.top_seen.get(model, -1e18) < RESERVE_FOR
 
+    def fit(self, candidates: Sequence[Backend], req: RequestInfo, priority: int) -> Sequence[Backend]:
+        """``room`` among the candidates req's class may take: below interactive, while interactive
+        requests come, not the backends kept for them. Here, not in ``room``, so that every ``room``
+        (the policy's predictions, the prefill/decode picker's) keeps them."""
+        if candidates and self.reserving(req.model, priority):
+            candidates = self.unkept(req.model, candidates)
+        return self.room(candidates, req, priority)
+
+    def unkept(self, model: str, candidates: Sequence[Backend]) -> Sequence[Backend]:
+        """The candidates less those ``kept`` (never all of them)."""
+        kept = self.kept(model, candidates)
+        return [b for b in candidates if b.id not in kept] if kept else candidates
+
+    def top_bound(self, model: str, backend: Backend) -> None:
+        """An interactive (or higher) request of the model was bound to backend: its share counts
+        for ``kept``. ``_bind`` records the binder's choice; a disaggregated request's decode
+        instance, picked after its prefill, is recorded by the dispatcher."""
+        binds = self.top_binds.get(model)
+        if binds is None:
+            binds = self.top_binds[model] = deque(maxlen=SHARE_WINDOW)
+        binds.append(backend.id)
+
     def kept(self, model: str, candidates: Sequence[Backend]) -> set[str]:
         """The backends kept for interactive requests: each took more than ``keep_share`` times an
-        even share (1/N of the candidates) of the model's recent interactive binds. The policy sends
+        even share (1/N of the candidates) of the model's recent interactive binds to the
+        candidates (binds elsewhere, such as a disaggregated request's other phase, do not count). The policy sends
         most interactive requests to the backend that starts them soonest (on a mixed fleet, the
         fastest); there every batch sequence slows the steps of most interactive requests and every
         batch prefill stalls them, while on a backend they rarely use the same work delays few.
@@ -264,10 +284,13 @@ class Admission:
         binds = self.top_binds.get(model)
         if not k or binds is None or len(binds) < SHARE_MIN or len(candidates) < 2:
             return set()
-        limit = k * len(binds) / len(candidates)
         counts: dict[str, int] = {}
         for bid in binds:
             counts[bid] = counts.get(bid, 0) + 1
+        seen = sum(counts.get(b.id, 0) for b in candidates)
+        if seen < SHARE_MIN:
+            return set()
+        limit = k * seen / len(candidates)
         kept = {b.id for b in candidates if counts.get(b.id, 0) > limit}
         return kept if len(kept) < len(candidates) else set()
 
@@ -275,10 +298,7 @@ class Admission:
         b = self.balancer.pick(candidates, req)
         self.balancer.dispatched(b, req)
         if priority >= DEFAULT_PRIORITY:
-            binds = self.top_binds.get(req.model)
-            if binds is None:
-                binds = self.top_binds[req.model] = deque(maxlen=SHARE_WINDOW)
-            binds.append(b.id)
+            self.top_bound(req.model, b)
         return b
 
     def _queue(self, model: str) -> ModelQueue:
@@ -297,7 +317,7 @@ class Admission:
             self.top_seen[req.model] = now
         candidates = self.eligible(req.model)
         if not q.waiting_at_or_above(priority):
-            fit = self.room(candidates, req, priority)
+            fit = self.fit(candidates, req, priority)
             if fit:
                 return self._bind(fit, req, priority)
         limit = self.config.wait_limit(priority)
@@ -368,7 +388,7 @@ class Admission:
         for _ in range(len(q)):
             cls = next(c for _, c in q.by_priority())
             w = cls.pop()
-            fit = self.room(candidates, w.req, w.priority)
+            fit = self.fit(candidates, w.req, w.priority)
             if not fit:
                 cls.unpop(w)
                 break
