@@ -39,6 +39,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gateway.server")
 
+# The scope extension by which an app learns of its client going away without awaiting receive():
+# ``scope["extensions"][DISCONNECT_EXTENSION](fn)`` has ``fn(task)`` called once, with the task that
+# runs the app, when the connection is lost (at once if it already was); ``(None)`` withdraws it.
+# A per-request watcher task or timer is what it saves (see the listener's ``_forward``).
+DISCONNECT_EXTENSION = "gateway.on_disconnect"
+
 BODY_HIGH_WATER = 256 * 1024  # body bytes buffered for the app before we stop reading the socket
 HEAD_ERROR_LINGER = 1 << 20  # bytes drained after refusing a head: it was not a body we promised to read
 
@@ -255,6 +261,7 @@ class HttpConnection(asyncio.Protocol):
             "headers": self.headers,
         }
         cycle = RequestCycle(self, scope, parser.should_keep_alive(), self.expect_continue)
+        scope["extensions"] = {DISCONNECT_EXTENSION: cycle.on_disconnect}
         self.in_head = False
         self.parsing = cycle
         if self.cycle is None:
@@ -463,6 +470,7 @@ class RequestCycle:
     __slots__ = (
         "conn", "scope", "keep_alive", "expect_continue", "body", "buffered", "more_body", "disconnected",
         "waiter", "response_started", "response_complete", "chunked", "task", "head_only", "started_at", "body_handed", "held_head",
+        "on_gone",
     )
 
     def __init__(self, conn: HttpConnection, scope: dict[str, Any], keep_alive: bool, expect_continue: bool):
@@ -481,6 +489,7 @@ class RequestCycle:
         self.chunked = False
         self.held_head = b""
         self.task: asyncio.Task[None] | None = None
+        self.on_gone: Callable[[asyncio.Task[None] | None], None] | None = None  # see DISCONNECT_EXTENSION
         self.head_only = scope["method"] == "HEAD"
         self.started_at = time.monotonic()
 
@@ -492,6 +501,17 @@ class RequestCycle:
     def disconnect(self) -> None:
         self.disconnected = True
         self.wake()
+        fn = self.on_gone
+        if fn is not None:
+            self.on_gone = None
+            fn(self.task)
+
+    def on_disconnect(self, fn: Callable[[asyncio.Task[None] | None], None] | None) -> None:
+        """The DISCONNECT_EXTENSION: ``fn(task)`` once the client is gone (now, if it is); None withdraws it."""
+        if fn is not None and self.disconnected:
+            fn(self.task)
+            return
+        self.on_gone = fn
 
     async def run(self, app: Any) -> None:
         try:
