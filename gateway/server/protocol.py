@@ -475,7 +475,7 @@ class RequestCycle:
 
     def __init__(self, conn: HttpConnection, scope: dict[str, Any], keep_alive: bool, expect_continue: bool):
         self.conn = conn
-        self.scope = scope
+        self.scope: dict[str, Any] | None = scope  # until run() takes it
         self.keep_alive = keep_alive
         self.expect_continue = expect_continue
         self.body: list[bytes] = []
@@ -514,8 +514,12 @@ class RequestCycle:
         self.on_gone = fn
 
     async def run(self, app: Any) -> None:
+        # The scope is held by this frame only, and the hook dropped at the end: the scope's
+        # DISCONNECT_EXTENSION refers back to this cycle, and a reference cycle per request would
+        # be left to the collector (its young collections then find a request's objects each time).
+        scope, self.scope = self.scope, None
         try:
-            await app(self.scope, self.receive, self.send)
+            await app(scope, self.receive, self.send)
         except Exception:
             log.exception("request handler failed")
             if not self.response_started and not self.disconnected:
@@ -524,6 +528,8 @@ class RequestCycle:
                 self.response_complete = True
                 self.conn._close()
                 return
+        finally:
+            self.on_gone = None
         if not self.response_complete and not self.disconnected:
             if self.response_started:  # a response the app did not finish cannot be framed: end it
                 self.conn._close()
