@@ -333,3 +333,49 @@ def test_a_client_that_leaves_cancels_its_upstream_request_on_either_server(tmp_
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(5)
+
+
+def test_expect_continue_and_the_framing_headers_an_app_sets():
+    """The header names the server looks at, either way: ``Expect: 100-continue`` (in any case) is
+    answered when the app reads the body; an app's ``Connection: close`` ends the connection after
+    its answer, and its ``Transfer-Encoding`` is dropped (the framing is the server's)."""
+    import asyncio
+
+    from gateway import server as http_server
+    from gateway.config import ServerConfig
+
+    async def app(scope, receive, send):
+        body = (await receive())["body"]
+        headers = [(b"Content-Length", str(len(body)).encode()), (b"X-Seen", b"1")]
+        if scope["path"] == "/close":
+            headers += [(b"Connection", b"close"), (b"Transfer-Encoding", b"chunked")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    async def main() -> tuple[bytes, bytes, bytes]:
+        sock = http_server.bind("127.0.0.1", 0)
+        serving = await http_server.start(app, ServerConfig(), drain=1.0, sockets=[sock])
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", serving.port)
+            writer.write(b"POST /echo HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\nEXPECT: 100-Continue\r\n\r\n")
+            interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            writer.write(b"hello")
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            await asyncio.wait_for(reader.readexactly(5), 5)
+            writer.write(b"POST /close HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\nhi")
+            closed = await asyncio.wait_for(reader.read(), 5)  # read() returns once the server closed
+            writer.close()
+            return interim, head, closed
+        finally:
+            await serving.stop()
+            sock.close()
+
+    loop = http_server.new_loop()
+    try:
+        interim, head, closed = loop.run_until_complete(main())
+    finally:
+        loop.close()
+    assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+    assert head.startswith(b"HTTP/1.1 200 ") and b"X-Seen: 1\r\n" in head and b"connection: close" not in head.lower()
+    assert closed.startswith(b"HTTP/1.1 200 ") and closed.endswith(b"\r\n\r\nhi")
+    assert b"connection: close\r\n" in closed.lower() and b"transfer-encoding" not in closed.lower()

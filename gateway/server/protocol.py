@@ -47,6 +47,9 @@ DISCONNECT_EXTENSION = "gateway.on_disconnect"
 
 BODY_HIGH_WATER = 256 * 1024  # body bytes buffered for the app before we stop reading the socket
 HEAD_ERROR_LINGER = 1 << 20  # bytes drained after refusing a head: it was not a body we promised to read
+# Header names that need a look, lower-case: one set lookup per header line sends the rest on at once.
+_REQUEST_SPECIAL = frozenset((b"upgrade", b"connection", b"expect"))
+_RESPONSE_SPECIAL = frozenset((b"content-length", b"connection", b"transfer-encoding"))
 
 
 class _Refused(Exception):
@@ -223,12 +226,14 @@ class HttpConnection(asyncio.Protocol):
         if len(self.headers) >= self.limits.max_headers:
             raise _Refused(431, f"Request has more than {self.limits.max_headers} header lines.", "too_many_headers")
         name = name.lower()
-        if name == b"upgrade":
-            self.upgrade = True
-        elif name == b"connection" and b"upgrade" in value.lower():
-            self.connection_upgrade = True
-        elif name == b"expect" and value.lower() == b"100-continue":
-            self.expect_continue = True
+        if name in _REQUEST_SPECIAL:
+            if name == b"upgrade":
+                self.upgrade = True
+            elif name == b"connection":
+                if b"upgrade" in value.lower():
+                    self.connection_upgrade = True
+            elif value.lower() == b"100-continue":
+                self.expect_continue = True
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
@@ -586,14 +591,13 @@ class RequestCycle:
             close = not self.keep_alive or conn.closing_after_response or self.more_body
             for name, value in message.get("headers", ()):
                 lname = name.lower()
-                if lname == b"content-length":
-                    has_length = True
-                elif lname == b"connection":
-                    if value.lower() == b"close":
-                        close = True
-                    continue
-                elif lname == b"transfer-encoding":
-                    continue  # framing is ours
+                if lname in _RESPONSE_SPECIAL:
+                    if lname == b"content-length":
+                        has_length = True
+                    else:
+                        if lname == b"connection" and value.lower() == b"close":
+                            close = True
+                        continue  # connection and transfer-encoding: the framing is ours
                 lines.append(b"%s: %s\r\n" % (name, value))
             if not has_length and not self.head_only and status not in (204, 304) and status >= 200:
                 self.chunked = True
