@@ -66,13 +66,8 @@ class Timeout(Exception):
 
 # A waiter's result when its deadline passed. A timer handle that resolves the waiter is far
 # cheaper than a timeout context (which cancels the task and uncancels it again), and none is
-# made at all when the bytes are already there, the usual case for a small response.
+# waited on at all when the bytes are already there, the usual case for a small response.
 _TIMED_OUT = object()
-
-
-def _expire(waiter: asyncio.Future) -> None:
-    if not waiter.done():
-        waiter.set_result(_TIMED_OUT)
 
 
 class _Violation(Exception):
@@ -84,6 +79,7 @@ class _Conn(asyncio.Protocol):
         "transport", "parser", "status", "headers", "chunks", "buffered", "done", "lost",
         "waiter", "head_waiter", "keep_alive", "idle_since", "_paused", "_header_name",
         "violation", "head_bytes", "head_complete", "max_header_bytes", "max_headers", "peer", "why", "header_size", "loop",
+        "timer", "timer_at", "deadline", "timed",
     )
 
     def __init__(self, max_header_bytes: int = MAX_HEADER_BYTES, max_headers: int = MAX_HEADERS, peer: str = "") -> None:
@@ -97,6 +93,13 @@ class _Conn(asyncio.Protocol):
         self.violation: str | None = None
         self.why: str | None = None  # set by a parser callback that refused what it saw
         self.parser = httptools.HttpResponseParser(self)
+        # One deadline at a time (the head's, then each body wait's): ``timed`` is resolved with
+        # _TIMED_OUT at ``deadline`` by ``timer``, a handle that fires at ``timer_at`` <= deadline
+        # and re-arms itself for the rest (see ``time``), as the server's connections do.
+        self.timer: asyncio.TimerHandle | None = None
+        self.timer_at = 0.0
+        self.deadline = 0.0
+        self.timed: asyncio.Future | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -152,6 +155,39 @@ class _Conn(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
         self._fail()
+        self.timed = None
+        if self.timer is not None:  # nothing is left to time: do not keep this connection alive until it fires
+            self.timer.cancel()
+            self.timer = None
+
+    # -- deadlines --------------------------------------------------------------------------------
+    def time(self, waiter: asyncio.Future, deadline: float) -> None:
+        """Resolve ``waiter`` with _TIMED_OUT at ``deadline`` (loop time) unless it is done first; the
+        caller clears ``timed`` after its wait. Requests on a kept-alive connection move the deadline
+        later each time: the handle that would fire first is kept and re-arms itself for the rest
+        when it fires, so a request rarely makes or cancels one."""
+        self.timed = waiter
+        self.deadline = deadline
+        if self.timer is not None:
+            if self.timer_at <= deadline:
+                return
+            self.timer.cancel()
+        self.timer_at = deadline
+        self.timer = self.loop.call_at(deadline, self._expired)  # type: ignore[union-attr]
+
+    def _expired(self) -> None:
+        self.timer = None
+        waiter = self.timed
+        if waiter is None or waiter.done():
+            return
+        loop = self.loop
+        assert loop is not None
+        if loop.time() < self.deadline:  # moved later since the handle was made: wait the rest
+            self.timer_at = self.deadline
+            self.timer = loop.call_at(self.deadline, self._expired)
+            return
+        self.timed = None
+        waiter.set_result(_TIMED_OUT)
 
     def _fail(self) -> None:
         self.lost = True
@@ -240,6 +276,15 @@ class H1Response:
                 return
             yield data
 
+    def whole(self) -> bytes | None:
+        """The whole body when all of it is already here (the usual case for a small response),
+        else None and nothing is taken."""
+        conn = self._conn
+        if not conn.done or conn.violation is not None:
+            return None
+        data = conn.take()
+        return b"" if data is None else data
+
     def buffered(self) -> bytes | None:
         """Body bytes already received, without waiting (None when there are none right now)."""
         return self._conn.take()
@@ -260,13 +305,13 @@ class H1Response:
                 raise ConnectionLost()
             loop = conn.loop or asyncio.get_running_loop()
             waiter = conn.waiter = loop.create_future()
-            timer = loop.call_later(timeout, _expire, waiter) if timeout is not None else None
+            if timeout is not None:
+                conn.time(waiter, loop.time() + timeout)
             try:
                 await waiter
             finally:
                 conn.waiter = None
-                if timer is not None:
-                    timer.cancel()
+                conn.timed = None
             if waiter.result() is _TIMED_OUT:
                 raise Timeout()
 
@@ -354,7 +399,8 @@ class H1Pool:
         waiter = conn.head_waiter = loop.create_future()
         assert conn.transport is not None
         conn.transport.writelines((head, body))
-        timer = loop.call_at(deadline, _expire, waiter) if deadline is not None else None
+        if deadline is not None:
+            conn.time(waiter, deadline)
         try:
             await waiter
         except BaseException:
@@ -362,8 +408,7 @@ class H1Pool:
             raise
         finally:
             conn.head_waiter = None
-            if timer is not None:
-                timer.cancel()
+            conn.timed = None
         if waiter.result() is _TIMED_OUT:
             conn.transport.close()  # the backend may still answer: that connection is done
             raise Timeout()

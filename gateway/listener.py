@@ -37,6 +37,7 @@ from .responses import JSON_CONTENT_TYPE as _JSON
 from .responses import Receive, Scope, Send, refuse, send_json
 from .routes import RouteAccess
 from .routing.router import Router
+from .server.protocol import DISCONNECT_EXTENSION
 from .upstream import FORWARD_REQUEST_HEADERS
 
 log = logging.getLogger("gateway.listener")
@@ -44,7 +45,8 @@ log = logging.getLogger("gateway.listener")
 __all__ = ["Listener", "Receive", "Scope", "Send", "refuse", "send_json"]
 
 _REQUEST_ID = re.compile(rb"^[A-Za-z0-9._\-]{1,64}$")
-WATCH_AFTER = 0.02  # seconds before a request starts watching for its client to go away
+WATCH_AFTER = 0.02  # seconds before a request starts watching for its client to go away (servers without DISCONNECT_EXTENSION)
+_NO_EXTENSIONS: dict[str, Any] = {}
 
 
 def _new_request_id() -> str:
@@ -344,43 +346,67 @@ class Listener:
 
         if ctx.admission is not None and ctx.admission.headers:
             send.extra = [*ctx.admission.headers, *send.extra]  # the limits' headers, on every answer from here on
-        gone = False
-        # The loop is passed on: each get_running_loop() is a getpid() syscall on Python < 3.12.
-        loop = asyncio.get_running_loop()
-        task = asyncio.current_task(loop)
+        gone = _Gone(send)
+        on_disconnect = ctx.scope.get("extensions", _NO_EXTENSIONS).get(DISCONNECT_EXTENSION)
 
         async def reply(refusal: Refusal) -> None:
             await self._refuse(ctx, send, refusal)
 
-        async def watch() -> None:
-            nonlocal gone
-            # A client that goes away must cancel the upstream request: that frees the GPU.
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    if not send.done and task is not None:
-                        gone = True
-                        task.cancel()
-                    return
-
-        # Watching for the disconnect costs a task; a request that is over within WATCH_AFTER never
-        # needs it, so the watcher starts only then (a timer handle is far cheaper than a task).
+        # A client that goes away must cancel the upstream request: that frees the GPU. Our server
+        # says so itself (DISCONNECT_EXTENSION: no task, no timer per request); on another server,
+        # a task watches receive() for it.
+        timer = None
         watcher: list[asyncio.Task[None]] = []
-        timer = loop.call_later(WATCH_AFTER, lambda: watcher.append(loop.create_task(watch())))
         try:
+            if on_disconnect is not None:
+                on_disconnect(gone)
+            else:
+                # The loop is passed on: each get_running_loop() is a getpid() syscall on Python < 3.12.
+                loop = asyncio.get_running_loop()
+                task = asyncio.current_task(loop)
+
+                async def watch() -> None:
+                    while True:
+                        message = await receive()
+                        if message["type"] == "http.disconnect":
+                            gone(task)
+                            return
+
+                # Watching costs a task; a request that is over within WATCH_AFTER never needs it, so
+                # the watcher starts only then (a timer handle is far cheaper than a task).
+                timer = loop.call_later(WATCH_AFTER, lambda: watcher.append(loop.create_task(watch())))
             return await self.router.forward(ctx, payload, headers, send, reply)
         except asyncio.CancelledError:
-            if not gone:
+            if gone.task is None:
                 raise
-            if hasattr(task, "uncancel"):
-                task.uncancel()  # type: ignore[union-attr]
+            if hasattr(gone.task, "uncancel"):
+                gone.task.uncancel()  # type: ignore[union-attr]
             metrics.CLIENT_DISCONNECTS.inc()
             log.info("client went away; upstream request cancelled (key %s)", key_id(ctx.key.hash) if ctx.key else "-")
             return 499
         finally:
-            timer.cancel()
+            if on_disconnect is not None:
+                on_disconnect(None)
+            if timer is not None:
+                timer.cancel()
             if watcher:
                 watcher[0].cancel()
+
+
+class _Gone:
+    """Called with the request's task when its client went away: cancels it unless the answer was
+    complete (a disconnect after it is no reason to cancel anything). ``task``: the task cancelled."""
+
+    __slots__ = ("send", "task")
+
+    def __init__(self, send: "_Answer"):
+        self.send = send
+        self.task: asyncio.Task[Any] | None = None
+
+    def __call__(self, task: asyncio.Task[Any] | None) -> None:
+        if not self.send.done and task is not None and self.task is None:
+            self.task = task
+            task.cancel()
 
 
 def _check(ctx: RequestContext, name: str, check: Callable[[RequestContext], Refusal | None]) -> Refusal | None:

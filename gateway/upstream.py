@@ -78,9 +78,11 @@ class UpstreamInvalid(UpstreamFailure):
 class UpstreamResponse:
     """What the router needs of a response, whatever the transport."""
 
-    __slots__ = ("status", "headers", "declared_length", "_chunks", "_close", "_max_line", "_lined")
+    __slots__ = ("status", "headers", "declared_length", "_chunks", "_close", "_max_line", "_lined", "_whole")
 
-    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], chunks, close, declared_length: int | None = None, max_line: int = 0, lined=None):
+    def __init__(
+        self, status: int, headers: list[tuple[bytes, bytes]], chunks, close, declared_length: int | None = None, max_line: int = 0, lined=None, whole=None
+    ):
         self.status = status
         self.headers = headers  # only the allow-listed ones, lower-case names
         self.declared_length = declared_length  # the backend's Content-Length, if it sent one
@@ -89,6 +91,8 @@ class UpstreamResponse:
         self._max_line = max_line
         # Optional: chunks(LineBound or None) that checks each chunk itself (one generator less per chunk).
         self._lined = lined
+        # Optional: whole() -> the body if all of it has arrived, else None (read_all then needs no generator).
+        self._whole = whole
 
     @property
     def is_event_stream(self) -> bool:
@@ -209,6 +213,13 @@ class Upstream:
         limit = self.limits.max_response_bytes if limit is None else limit
         if response.declared_length is not None and response.declared_length > limit:
             raise UpstreamInvalid("body_too_large")
+        if response._whole is not None:
+            # All here already (a small answer arrives with its head): no generator, no wait.
+            body = response._whole()
+            if body is not None:
+                if len(body) > limit:
+                    raise UpstreamInvalid("body_too_large")  # the caller's aclose() drops the connection
+                return body
         parts: list[bytes] = []
         size = 0
         async for chunk in response._chunks():
@@ -362,7 +373,7 @@ class NativeUpstream(Upstream):
                 declared = _declared_length(v)
         return await self._final(UpstreamResponse(
             resp.status, headers_out, lambda: self._chunks(resp, None), resp.aclose, declared, self.limits.max_line_bytes,
-            lambda bound: self._chunks(resp, bound),
+            lambda bound: self._chunks(resp, bound), resp.whole,
         ))
 
     async def _chunks(self, resp: H1Response, bound: LineBound | None) -> AsyncIterator[bytes]:

@@ -212,3 +212,56 @@ def test_a_second_response_in_the_same_packet_is_dropped_with_the_connection():
             await srv.wait_closed()
 
     assert run(go()) == ([b'{"ok": 1}', b'{"ok": 1}'], 2)  # the second request had to open a new connection
+
+
+def test_each_request_on_a_kept_connection_gets_its_own_deadlines():
+    """One timer per connection outlives its requests and re-arms itself (h1 ``_Conn.time``): a
+    request on a reused connection still times out at its own first-byte deadline, and a body that
+    stops mid-way at its idle one, whatever the earlier requests armed."""
+    from gateway.upstream import UpstreamTimeout
+
+    answers = [ok(), ok(), b"slow", b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 10\r\n\r\n{\"a\""]
+
+    async def serve(reader, writer):
+        try:
+            while answers:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                await reader.readexactly(length)
+                answer = answers.pop(0)
+                if answer != b"slow":  # slow: no answer at all
+                    writer.write(answer)
+                    await writer.drain()
+            await asyncio.sleep(10)  # the last body never ends
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def go():
+        srv = await asyncio.start_server(serve, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}/v1/chat/completions"
+        loop = asyncio.get_running_loop()
+        up = NativeUpstream(TimeoutsConfig(first_byte=0.5, idle=0.3))
+        try:
+            bodies = [await fetch(up, url), await fetch(up, url)]
+            await asyncio.sleep(0.3)  # a later deadline than the handle armed for the first request
+            started = loop.time()
+            with pytest.raises(UpstreamTimeout) as first_byte:
+                await fetch(up, url)
+            waited = loop.time() - started
+            r = await up.open(url, b"{}", [])  # a new connection: the timed-out one is closed
+            started = loop.time()
+            with pytest.raises(UpstreamTimeout) as idle:
+                await up.read_all(r)
+            idle_waited = loop.time() - started
+            await r.aclose()
+            return bodies, first_byte.value.phase, waited, idle.value.phase, idle_waited
+        finally:
+            await up.aclose()
+            srv.close()
+
+    bodies, phase, waited, idle_phase, idle_waited = run(go())
+    assert bodies == [b'{"ok": 1}', b'{"ok": 1}']
+    assert phase == "first_byte" and 0.45 <= waited < 3
+    assert idle_phase == "idle" and 0.25 <= idle_waited < 3

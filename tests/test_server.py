@@ -247,3 +247,135 @@ def test_the_serving_process_freezes_what_start_up_made_out_of_the_collectors_wa
         loop.close()
         gc.unfreeze()  # the rest of the test session collects as usual
         gc.set_threshold(*thresholds)
+
+
+def test_the_disconnect_extension_hands_the_app_its_task_when_the_client_goes_away():
+    """DISCONNECT_EXTENSION: the app learns of its client leaving without a task awaiting receive()
+    (how the listener cancels the upstream request): called once, with the task that runs the app,
+    at once for an app that registers after the client left; withdrawn, it is never called."""
+    import asyncio
+
+    from gateway import server as http_server
+    from gateway.config import ServerConfig
+    from gateway.server.protocol import DISCONNECT_EXTENSION
+
+    calls: list[tuple[str, bool]] = []
+
+    async def app(scope, receive, send):
+        on_disconnect = scope["extensions"][DISCONNECT_EXTENSION]
+        me = asyncio.current_task()
+        if scope["path"] == "/withdrawn":
+            on_disconnect(lambda task: calls.append(("withdrawn", task is me)))
+            on_disconnect(None)
+            await asyncio.sleep(0.3)  # the client leaves meanwhile
+            return
+        if scope["path"] == "/late":
+            await asyncio.sleep(0.3)  # the client has left by now
+            on_disconnect(lambda task: calls.append(("late", task is me)))
+            return
+        on_disconnect(lambda task: (calls.append(("gone", task is me)), task.cancel()))
+        await asyncio.sleep(10)  # cancelled when the client leaves
+
+    async def main() -> None:
+        sock = http_server.bind("127.0.0.1", 0)
+        serving = await http_server.start(app, ServerConfig(), drain=1.0, sockets=[sock])
+        try:
+            for path in (b"/gone", b"/late", b"/withdrawn"):
+                reader, writer = await asyncio.open_connection("127.0.0.1", serving.port)
+                writer.write(b"GET " + path + b" HTTP/1.1\r\nHost: a\r\n\r\n")
+                await writer.drain()
+                await asyncio.sleep(0.1)
+                writer.close()
+                await asyncio.sleep(0.4)
+        finally:
+            await serving.stop()
+            sock.close()
+
+    loop = http_server.new_loop()
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+    assert calls == [("gone", True), ("late", True)]
+
+
+@pytest.mark.parametrize("http", ["native", "uvicorn"])
+def test_a_client_that_leaves_cancels_its_upstream_request_on_either_server(tmp_path, http):
+    """Our server tells the listener itself (DISCONNECT_EXTENSION); on uvicorn, which has no such
+    extension, the listener's watcher task learns it from receive(). Either way the backend sees
+    its request aborted."""
+    with Sim("test-model", "--ttft", "5", api_key="backend-secret") as sim:
+        port = free_port()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway", "serve", "--config", _config(tmp_path, port, sim.url, http=http)],
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        )
+        try:
+            def ready() -> bool:
+                try:
+                    return httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200
+                except httpx.HTTPError:
+                    return False
+
+            wait_until(ready, 30, 0.05, "gateway ready")
+            before = sim.stats()["aborted"]
+            pending = sim.stats()["pending"]
+            body = orjson.dumps({"model": "test-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+                s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
+                          + str(len(body)).encode() + b"\r\n\r\n" + body)
+                wait_until(lambda: sim.stats()["pending"] > pending, 5, 0.02, "the request to reach the backend")
+            wait_until(lambda: sim.stats()["aborted"] == before + 1, 4, 0.05, "the backend to see its request aborted")
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+
+
+def test_expect_continue_and_the_framing_headers_an_app_sets():
+    """The header names the server looks at, either way: ``Expect: 100-continue`` (in any case) is
+    answered when the app reads the body; an app's ``Connection: close`` ends the connection after
+    its answer, and its ``Transfer-Encoding`` is dropped (the framing is the server's)."""
+    import asyncio
+
+    from gateway import server as http_server
+    from gateway.config import ServerConfig
+
+    async def app(scope, receive, send):
+        body = (await receive())["body"]
+        headers = [(b"Content-Length", str(len(body)).encode()), (b"X-Seen", b"1")]
+        if scope["path"] == "/close":
+            headers += [(b"Connection", b"close"), (b"Transfer-Encoding", b"chunked")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    async def main() -> tuple[bytes, bytes, bytes]:
+        sock = http_server.bind("127.0.0.1", 0)
+        serving = await http_server.start(app, ServerConfig(), drain=1.0, sockets=[sock])
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", serving.port)
+            writer.write(b"POST /echo HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\nEXPECT: 100-Continue\r\n\r\n")
+            interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            writer.write(b"hello")
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            await asyncio.wait_for(reader.readexactly(5), 5)
+            writer.write(b"POST /close HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\nhi")
+            closed = await asyncio.wait_for(reader.read(), 5)  # read() returns once the server closed
+            writer.close()
+            return interim, head, closed
+        finally:
+            await serving.stop()
+            sock.close()
+
+    loop = http_server.new_loop()
+    try:
+        interim, head, closed = loop.run_until_complete(main())
+    finally:
+        loop.close()
+    assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+    assert head.startswith(b"HTTP/1.1 200 ") and b"X-Seen: 1\r\n" in head and b"connection: close" not in head.lower()
+    assert closed.startswith(b"HTTP/1.1 200 ") and closed.endswith(b"\r\n\r\nhi")
+    assert b"connection: close\r\n" in closed.lower() and b"transfer-encoding" not in closed.lower()

@@ -29,6 +29,10 @@ class LoopLag:
     def arm(self) -> None:
         """Start sampling on the running loop (cheap once started; nothing outside a loop, as in the
         offline replay, whose virtual time has no lag)."""
+        if self._loop is not None and self._loop.is_running():
+            # Already sampling this loop (one loop runs in a thread at a time): no lookup, which is
+            # a getpid() syscall per call on Python < 3.12.
+            return
         loop = asyncio._get_running_loop()
         if loop is not None and loop is not self._loop:
             self._loop = loop

@@ -39,8 +39,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gateway.server")
 
+# The scope extension by which an app learns of its client going away without awaiting receive():
+# ``scope["extensions"][DISCONNECT_EXTENSION](fn)`` has ``fn(task)`` called once, with the task that
+# runs the app, when the connection is lost (at once if it already was); ``(None)`` withdraws it.
+# A per-request watcher task or timer is what it saves (see the listener's ``_forward``).
+DISCONNECT_EXTENSION = "gateway.on_disconnect"
+
 BODY_HIGH_WATER = 256 * 1024  # body bytes buffered for the app before we stop reading the socket
 HEAD_ERROR_LINGER = 1 << 20  # bytes drained after refusing a head: it was not a body we promised to read
+# Header names that need a look, lower-case: one set lookup per header line sends the rest on at once.
+_REQUEST_SPECIAL = frozenset((b"upgrade", b"connection", b"expect"))
+_RESPONSE_SPECIAL = frozenset((b"content-length", b"connection", b"transfer-encoding"))
 
 
 class _Refused(Exception):
@@ -217,12 +226,14 @@ class HttpConnection(asyncio.Protocol):
         if len(self.headers) >= self.limits.max_headers:
             raise _Refused(431, f"Request has more than {self.limits.max_headers} header lines.", "too_many_headers")
         name = name.lower()
-        if name == b"upgrade":
-            self.upgrade = True
-        elif name == b"connection" and b"upgrade" in value.lower():
-            self.connection_upgrade = True
-        elif name == b"expect" and value.lower() == b"100-continue":
-            self.expect_continue = True
+        if name in _REQUEST_SPECIAL:
+            if name == b"upgrade":
+                self.upgrade = True
+            elif name == b"connection":
+                if b"upgrade" in value.lower():
+                    self.connection_upgrade = True
+            elif value.lower() == b"100-continue":
+                self.expect_continue = True
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
@@ -255,6 +266,7 @@ class HttpConnection(asyncio.Protocol):
             "headers": self.headers,
         }
         cycle = RequestCycle(self, scope, parser.should_keep_alive(), self.expect_continue)
+        scope["extensions"] = {DISCONNECT_EXTENSION: cycle.on_disconnect}
         self.in_head = False
         self.parsing = cycle
         if self.cycle is None:
@@ -463,11 +475,12 @@ class RequestCycle:
     __slots__ = (
         "conn", "scope", "keep_alive", "expect_continue", "body", "buffered", "more_body", "disconnected",
         "waiter", "response_started", "response_complete", "chunked", "task", "head_only", "started_at", "body_handed", "held_head",
+        "on_gone",
     )
 
     def __init__(self, conn: HttpConnection, scope: dict[str, Any], keep_alive: bool, expect_continue: bool):
         self.conn = conn
-        self.scope = scope
+        self.scope: dict[str, Any] | None = scope  # until run() takes it
         self.keep_alive = keep_alive
         self.expect_continue = expect_continue
         self.body: list[bytes] = []
@@ -481,6 +494,7 @@ class RequestCycle:
         self.chunked = False
         self.held_head = b""
         self.task: asyncio.Task[None] | None = None
+        self.on_gone: Callable[[asyncio.Task[None] | None], None] | None = None  # see DISCONNECT_EXTENSION
         self.head_only = scope["method"] == "HEAD"
         self.started_at = time.monotonic()
 
@@ -492,10 +506,25 @@ class RequestCycle:
     def disconnect(self) -> None:
         self.disconnected = True
         self.wake()
+        fn = self.on_gone
+        if fn is not None:
+            self.on_gone = None
+            fn(self.task)
+
+    def on_disconnect(self, fn: Callable[[asyncio.Task[None] | None], None] | None) -> None:
+        """The DISCONNECT_EXTENSION: ``fn(task)`` once the client is gone (now, if it is); None withdraws it."""
+        if fn is not None and self.disconnected:
+            fn(self.task)
+            return
+        self.on_gone = fn
 
     async def run(self, app: Any) -> None:
+        # The scope is held by this frame only, and the hook dropped at the end: the scope's
+        # DISCONNECT_EXTENSION refers back to this cycle, and a reference cycle per request would
+        # be left to the collector (its young collections then find a request's objects each time).
+        scope, self.scope = self.scope, None
         try:
-            await app(self.scope, self.receive, self.send)
+            await app(scope, self.receive, self.send)
         except Exception:
             log.exception("request handler failed")
             if not self.response_started and not self.disconnected:
@@ -504,6 +533,8 @@ class RequestCycle:
                 self.response_complete = True
                 self.conn._close()
                 return
+        finally:
+            self.on_gone = None
         if not self.response_complete and not self.disconnected:
             if self.response_started:  # a response the app did not finish cannot be framed: end it
                 self.conn._close()
@@ -560,14 +591,13 @@ class RequestCycle:
             close = not self.keep_alive or conn.closing_after_response or self.more_body
             for name, value in message.get("headers", ()):
                 lname = name.lower()
-                if lname == b"content-length":
-                    has_length = True
-                elif lname == b"connection":
-                    if value.lower() == b"close":
-                        close = True
-                    continue
-                elif lname == b"transfer-encoding":
-                    continue  # framing is ours
+                if lname in _RESPONSE_SPECIAL:
+                    if lname == b"content-length":
+                        has_length = True
+                    else:
+                        if lname == b"connection" and value.lower() == b"close":
+                            close = True
+                        continue  # connection and transfer-encoding: the framing is ours
                 lines.append(b"%s: %s\r\n" % (name, value))
             if not has_length and not self.head_only and status not in (204, 304) and status >= 200:
                 self.chunked = True
