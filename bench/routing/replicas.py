@@ -38,6 +38,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import httpx
+
 if __package__ in (None, ""):  # run as a script: python bench/routing/replicas.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     __package__ = "bench.routing"
@@ -63,6 +65,7 @@ def run_replicas(workdir: Path, name: str, spec: str, n: int, sims: list[SimProc
         for _ in range(n):
             gateways.append(GatewayProc(workdir, policy, sims, cfg, state=state))
         results, wall = asyncio.run(replay([g.url for g in gateways], trace, timeout=trace.duration * 4 + 60))
+        errors = state_errors(gateways) if state else {}
     finally:
         for g in gateways:
             g.stop()
@@ -75,10 +78,28 @@ def run_replicas(workdir: Path, name: str, spec: str, n: int, sims: list[SimProc
             print(f"  {name} #{i}: picks {st.get('picks')} affinity {st.get('affinity_picks')} gamma {st.get('gamma', 0):.4f} rho {st.get('rho', 0):.4f}"
                   f"  sigma {' '.join(f'{v:.4f}' for v in st.get('sigma', {}).values())}"
                   f"  kv capacity {' '.join(f'{v:.0f}' if v else '-' for v in st.get('kv_capacity', {}).values())}", flush=True)
+    if errors:
+        # A Redis call past state.timeout (a loaded machine) drops that exchange's load and placements.
+        print(f"  {name}: Redis calls failed or timed out: " + ", ".join(f"{op} {n}" for op, n in sorted(errors.items())), flush=True)
     row = fleet_row(sims, before, results, wall, warmup, name)
     # Kept for --repeat's pooled figures: the same requests summarize() reads.
     row["ttfts"] = [r.ttft for r in results[int(len(results) * warmup):] if r.ok and r.ttft is not None]
     return row
+
+
+def state_errors(gateways: list[GatewayProc]) -> dict[str, int]:
+    """gateway_state_errors_total summed over the gateways, by operation (from their /metrics)."""
+    out: dict[str, int] = {}
+    for g in gateways:
+        try:
+            text = httpx.get(g.url + "/metrics", timeout=5).text
+        except httpx.HTTPError:
+            continue
+        for line in text.splitlines():
+            if line.startswith("gateway_state_errors_total{"):
+                op = line.split('op="', 1)[1].split('"', 1)[0]
+                out[op] = out.get(op, 0) + int(float(line.rsplit(" ", 1)[1]))
+    return {op: n for op, n in out.items() if n}
 
 
 def print_rows(title: str, rows: list[dict]) -> None:
