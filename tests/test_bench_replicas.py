@@ -39,3 +39,20 @@ def test_every_row_after_the_first_is_summarised_by_name():
     assert list(s["rows"]) == ["1 replica + redis", "4 replicas + redis"]
     assert s["rows"]["1 replica + redis"]["p99_median"] == pytest.approx(0.0)
     assert s["rows"]["4 replicas + redis"]["mean_median"] == pytest.approx(1.0)
+
+
+def test_state_errors_are_read_from_the_gateways_own_exposition():
+    from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+    from bench.routing.replicas import parse_state_errors
+    from gateway.state import stats
+
+    # The gateway's own counter, rendered as its /metrics renders it (a fresh registry of the same
+    # metric, so other tests' counts do not leak in).
+    registry = CollectorRegistry()
+    errors = Counter(stats.STATE_ERRORS._name, stats.STATE_ERRORS._documentation, ["op"], registry=registry)
+    errors.labels(op="load").inc(3)
+    errors.labels(op="admit").inc()
+    text = generate_latest(registry).decode()
+    assert parse_state_errors(text) == {"load": 3, "admit": 1}
+    assert parse_state_errors("# nothing failed\n") == {}

@@ -95,11 +95,19 @@ def state_errors(gateways: list[GatewayProc]) -> dict[str, int]:
             text = httpx.get(g.url + "/metrics", timeout=5).text
         except httpx.HTTPError:
             continue
-        for line in text.splitlines():
-            if line.startswith("gateway_state_errors_total{"):
-                op = line.split('op="', 1)[1].split('"', 1)[0]
-                out[op] = out.get(op, 0) + int(float(line.rsplit(" ", 1)[1]))
+        for op, n in parse_state_errors(text).items():
+            out[op] = out.get(op, 0) + n
     return {op: n for op, n in out.items() if n}
+
+
+def parse_state_errors(text: str) -> dict[str, int]:
+    """gateway_state_errors_total by operation, from one /metrics page."""
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        if line.startswith("gateway_state_errors_total{"):
+            op = line.split('op="', 1)[1].split('"', 1)[0]
+            out[op] = out.get(op, 0) + int(float(line.rsplit(" ", 1)[1]))
+    return out
 
 
 def print_rows(title: str, rows: list[dict]) -> None:
