@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 from .. import metrics
 from ..config.balancer import DEFAULT_PRIORITY, QueueConfig, priority_name
 from ..errors import Refusal
-from .policies import Balancer, Outcome, RequestInfo
+from .policies import Balancer, Outcome, Prediction, RequestInfo
 from .pool import Backend
 
 # (eligible backends, the request, its priority class) -> the backends that can start it now.
@@ -231,7 +231,7 @@ class Admission:
             preds = self.balancer.predict(candidates, req)
             reserve = self.config.reserve
             fit = [b for b, p in zip(candidates, preds)
-                   if p.wait <= hold and p.prefill_ahead <= LOW_PREFILL_AHEAD and (p.slots is None or p.free >= 1 + int(reserve * p.slots))]
+                   if p.wait <= hold and p.prefill_ahead <= LOW_PREFILL_AHEAD and self._leaves_reserve(p, reserve)]
             return fit
         # The policy chooses among all of them (it weighs the wait against speed and cache). An
         # idle backend always takes work: the queue never waits on a prediction alone. Idle counts
@@ -244,6 +244,17 @@ class Admission:
         if any(p.wait <= hold for p in self.balancer.predict(candidates, req)):
             return candidates
         return ()
+
+    @staticmethod
+    def _leaves_reserve(p: Prediction, reserve: float) -> bool:
+        """Binding leaves ``reserve`` of the backend's batch slots free or, while they are unknown, of
+        its KV cache. The slots are learnt only from a full batch, and the queue holds a flood back
+        (KV room, ``hold_wait``) before it fills one: without this, a flood ran 25-29 sequences on
+        backends with 32 slots beside the interactive requests, each slowing their steps and
+        stalling them with its prefill (bench/routing/README.md, mixed priority, learnt slots)."""
+        if p.slots is not None:
+            return p.free >= 1 + int(reserve * p.slots)
+        return p.kv_free is None or p.kv_free >= reserve
 
     def reserving(self, model: str, priority: int) -> bool:
         """A request of this class must leave ``reserve`` free: it is below interactive and

@@ -350,7 +350,14 @@ class ExpectedLatencyBalancer(Balancer):
             lat += pen
             ttft += pen
         free = m.slots - len(m.inflight) - ext if m.slots is not None else float("inf")
-        return Prediction(ttft=ttft, e2e=lat, wait=wait_s / ramp, slots=m.slots, free=free, prefill_ahead=rho * sigma * queued / ramp), depth
+        kv_free = None
+        if m.kv_capacity:
+            # What r and every sequence on b hold: ours and the other replicas' as counted, the rest at the mean request size.
+            known = b.remote_in_flight if b.remote_kv > 0 else 0
+            held = m.kv + b.remote_kv + max(0.0, ext - known) * sizes.tokens_avg + prompt + d
+            kv_free = 1.0 - held / m.kv_capacity
+        return Prediction(ttft=ttft, e2e=lat, wait=wait_s / ramp, slots=m.slots, free=free, prefill_ahead=rho * sigma * queued / ramp,
+                          kv_free=kv_free), depth
 
     def predict(self, candidates: Sequence[Backend], req: RequestInfo) -> list[Prediction]:
         """What each candidate would do with r if it were sent now."""
