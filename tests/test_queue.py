@@ -373,11 +373,11 @@ def test_lower_classes_leave_reserved_slots_free_while_interactive_requests_come
 
 def test_lower_classes_leave_reserved_kv_free_while_the_slots_are_unknown():
     """Slots are learnt only from a full batch, and the queue holds a flood back before it fills one:
-    with the slots unknown, the reserve is a share of the KV cache (when its capacity is known)."""
+    with the slots unknown, ``kv_reserve`` of the KV cache is left free (when its capacity is known)."""
     clock = Clock()
     (a,) = backends("a")
     bal = make_balancer("min_expected_latency", BalancerConfig(slow_start=0.0), clock=clock, rng=random.Random(0))
-    adm = Admission(QueueConfig(reserve=0.5), bal, lambda model: [a], clock)
+    adm = Admission(QueueConfig(kv_reserve=0.5), bal, lambda model: [a], clock)
     first = req()
     assert adm.admit(first, "bulk", BATCH) is a
     bal._model(a).kv_capacity = 4 * first.kv_tokens  # room for 4 such requests
