@@ -371,6 +371,25 @@ def test_lower_classes_leave_reserved_slots_free_while_interactive_requests_come
     assert adm.drain("m") == [held]
 
 
+def test_lower_classes_leave_reserved_kv_free_while_the_slots_are_unknown():
+    """Slots are learnt only from a full batch, and the queue holds a flood back before it fills one:
+    with the slots unknown, ``kv_reserve`` of the KV cache is left free (when its capacity is known)."""
+    clock = Clock()
+    (a,) = backends("a")
+    bal = make_balancer("min_expected_latency", BalancerConfig(slow_start=0.0), clock=clock, rng=random.Random(0))
+    adm = Admission(QueueConfig(kv_reserve=0.5), bal, lambda model: [a], clock)
+    first = req()
+    assert adm.admit(first, "bulk", BATCH) is a
+    bal._model(a).kv_capacity = 4 * first.kv_tokens  # room for 4 such requests
+    assert bal._model(a).slots is None
+    assert adm.admit(req(), "ui", INTERACTIVE) is a
+    held = adm.admit(req(), "bulk", BATCH)  # a third would leave a quarter of the KV free, less than half
+    assert isinstance(held, Waiter)
+    assert adm.admit(req(), "ui", INTERACTIVE) is a  # interactive may use the reserve
+    clock.t += 31.0
+    assert adm.drain("m") == [held]
+
+
 def interactive_traffic_on(adm: Admission, bal, members: list[Backend], backend: Backend, n: int) -> None:
     """n interactive requests bound (only ``backend`` eligible meanwhile) and finished at once."""
     saved = list(members)

@@ -50,6 +50,7 @@ class QueueConfig:
     default_max_wait: float = 30.0  # for classes max_wait does not name
     quantum: int = 1024  # tokens a key may send per round within its class (deficit round robin)
     reserve: float = 0.75  # share of a backend's batch slots that classes below interactive leave free while interactive requests come (when the slots are known)
+    kv_reserve: float = 0.85  # the same for its KV cache while its slots are unknown (a held-back flood never fills a batch, so they may never be learnt)
     pd_keep_share: float = 1.0  # keep_share for disaggregated (distserve) models, over their prefill and over their decode instances: lower, as their instances are even and the picker sends interactive requests to the one without batch work, so one that takes more than an even share stays kept; 0 turns it off
     keep_share: float = 1.5  # while interactive requests come, classes below interactive are not bound to a backend that took more than this many times an even share (1/N) of the recent interactive requests; 0 turns it off
 
@@ -131,6 +132,7 @@ def read_queue(s: Section) -> QueueConfig:
         default_max_wait=s.number("default_max_wait", d.default_max_wait, min=0, max=3600, exclusive=True),
         quantum=s.int("quantum", d.quantum, min=1, max=1_000_000),
         reserve=s.number("reserve", d.reserve, min=0, max=0.9),
+        kv_reserve=s.number("kv_reserve", d.kv_reserve, min=0, max=0.95),
         keep_share=s.number("keep_share", d.keep_share, min=0, max=100),
         pd_keep_share=s.number("pd_keep_share", d.pd_keep_share, min=0, max=100),
     )

@@ -67,6 +67,7 @@ class Prediction:
     slots: int | None = None  # the backend's batch slots, when known
     free: float = float("inf")  # its batch slots not taken (by ours or others' sequences)
     prefill_ahead: float = 0.0  # seconds of other requests' prefill queued before this one's
+    kv_free: float | None = None  # the share of its KV cache left free once this one is in, when the capacity is known
 
 
 def request_info(model: str, body: dict[str, Any]) -> RequestInfo:

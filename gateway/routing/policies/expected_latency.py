@@ -157,6 +157,7 @@ class ExpectedLatencyBalancer(Balancer):
     MIN_RAMP = 0.1
     LATE_STEPS = 3  # a first byte this many decode steps past twice its predicted prefill waited for a slot
     LAG_MARGIN = 4.0  # ... past this many times the gateway's own event-loop lag, too (a first byte crosses a few loop turns)
+    SLOT_HISTORY = 3.0  # ... and only once b's σ rests on this many of its own completions (decayed count)
     MAX_LOAD = 0.9  # the slot load u at which others_load's u/(1-u) stops growing (9x)
     # The prefix memory keeps what fits in this many times the KV its sequences leave free. Above 1 it leans
     # to affinity: a prefix near the end of the engine's LRU still draws its next request back to the backend
@@ -350,7 +351,14 @@ class ExpectedLatencyBalancer(Balancer):
             lat += pen
             ttft += pen
         free = m.slots - len(m.inflight) - ext if m.slots is not None else float("inf")
-        return Prediction(ttft=ttft, e2e=lat, wait=wait_s / ramp, slots=m.slots, free=free, prefill_ahead=rho * sigma * queued / ramp), depth
+        kv_free = None
+        if m.kv_capacity:
+            # What r and every sequence on b hold: ours and the other replicas' as counted, the rest at the mean request size.
+            known = b.remote_in_flight if b.remote_kv > 0 else 0
+            held = m.kv + b.remote_kv + max(0.0, ext - known) * sizes.tokens_avg + prompt + d
+            kv_free = 1.0 - held / m.kv_capacity
+        return Prediction(ttft=ttft, e2e=lat, wait=wait_s / ramp, slots=m.slots, free=free, prefill_ahead=rho * sigma * queued / ramp,
+                          kv_free=kv_free), depth
 
     def predict(self, candidates: Sequence[Backend], req: RequestInfo) -> list[Prediction]:
         """What each candidate would do with r if it were sent now."""
@@ -555,6 +563,10 @@ class ExpectedLatencyBalancer(Balancer):
         gateway's own event loop ran about as late (``LoopLag``): a CPU-saturated gateway in front of an
         instant backend learnt 3-5 slots from its own delays, then walked every request in flight per
         admission and would have held requests back for a batch that did not exist."""
+        if m.w < self.SLOT_HISTORY:
+            # σ is still mostly the fleet's prior: on a backend slower than the fleet every first byte looks
+            # several steps late. The replay's mixed runs learnt 5-11 slots (of 32) 1-3 s into a trace this way.
+            return
         step = sigma * (1.0 + self.gamma * m.batch())
         self.lag.arm()
         if ttft - 2.0 * self.rho * sigma * req.prefill_ahead - step - self.LAG_MARGIN * self.lag.lag() <= self.LATE_STEPS * step:
