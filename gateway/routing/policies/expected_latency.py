@@ -49,7 +49,7 @@ class BackendModel:
         self.kv_capacity: float | None = None  # the engine's KV cache in tokens, from gpu_cache_usage_perc
         # (time, KV held, sequences) on b since about the last poll, every replica's, at each change we see: the
         # gauges were computed at some moment between two polls, and the capacity is learnt against that moment.
-        self.held_log: deque[tuple[float, float, float]] = deque(maxlen=1024)
+        self.held_log: deque[tuple[float, float, float]] = deque(maxlen=4096)  # ~2 s of a busy backend's dispatches and completions
         # Per LAG_BIN of lag behind a poll, decayed over the refreshes: how badly the sequences then matched the
         # gauges, and the log of the capacity it implied (weight, Σx, Σx²: a wrong lag's scatter).
         self.lag_miss: list[list[float]] = []
@@ -718,8 +718,9 @@ class ExpectedLatencyBalancer(Balancer):
         polls (the engine refreshes them every 10 s, we poll at our own fixed interval): a replica polling
         1.55 s after each refresh learnt the capacity from what was held 1.55 s later, 7k-30k tokens where
         the engine had 16k and one polling at once learnt 17k-19k (bench/routing/README.md, replicas). The
-        lag is where the sequences we knew of matched the gauges' running + waiting best, over the last few
-        refreshes (ties: the shortest, the moment of the poll); what was held then is the answer."""
+        lag is where, over the last few refreshes, the sequences we knew of matched the gauges' running +
+        waiting best and the capacities it implied (held then over the usage) agreed (a wrong lag's scatter
+        with the load's drift); ties: the shortest, the moment of the poll. What was held then is the answer."""
         log = m.held_log
         if not m.polled_at or len(log) < 2:
             return m.kv + b.remote_kv
@@ -730,7 +731,7 @@ class ExpectedLatencyBalancer(Balancer):
         while len(miss) < bins:
             miss.append([0.0, 0.0, 0.0, 0.0])
         lam = self.LAG_DECAY
-        best, best_score, then = 0, math.inf, m.kv + b.remote_kv
+        best_score, then = math.inf, m.kv + b.remote_kv
         i = len(log) - 1
         for j in range(bins):
             t = now - j * self.LAG_BIN
@@ -746,5 +747,5 @@ class ExpectedLatencyBalancer(Balancer):
                 e[3] = lam * e[3] + x * x
             score = e[0] + (self.LAG_SCATTER * (e[3] - e[2] * e[2] / e[1]) if e[1] > 0.0 else 0.0)
             if score < best_score - 1e-9:  # ties: the shortest lag
-                best, best_score, then = j, score, held
+                best_score, then = score, held
         return then
