@@ -177,6 +177,7 @@ class ExpectedLatencyBalancer(Balancer):
     LAG_MAX = 10.0  # the longest lag looked for (LMDeploy refreshes its gauges every 10 s)
     LAG_DECAY = 0.8  # per changed poll: the lag's evidence follows the last few refreshes (polls and refreshes drift)
     LAG_SCATTER = 50.0  # a lag whose implied capacities scatter by ±20 % (log) weighs 2 sequences of mismatch a refresh
+    LAG_MARGIN = 1.0  # another lag than the poll's own moment must explain the gauges this much better (a sequence's worth)
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -720,7 +721,8 @@ class ExpectedLatencyBalancer(Balancer):
         the engine had 16k and one polling at once learnt 17k-19k (bench/routing/README.md, replicas). The
         lag is where, over the last few refreshes, the sequences we knew of matched the gauges' running +
         waiting best and the capacities it implied (held then over the usage) agreed (a wrong lag's scatter
-        with the load's drift); ties: the shortest, the moment of the poll. What was held then is the answer."""
+        with the load's drift), by ``LAG_MARGIN`` over the poll's own moment, which a gateway polling soon after
+        each refresh keeps; ties: the shortest. What was held then is the answer."""
         log = m.held_log
         if not m.polled_at or len(log) < 2:
             return m.kv + b.remote_kv
@@ -746,6 +748,8 @@ class ExpectedLatencyBalancer(Balancer):
                 e[2] = lam * e[2] + x
                 e[3] = lam * e[3] + x * x
             score = e[0] + (self.LAG_SCATTER * (e[3] - e[2] * e[2] / e[1]) if e[1] > 0.0 else 0.0)
+            if not j:
+                score -= self.LAG_MARGIN  # the poll's moment unless a lag is clearly better: a prompt poll learns as it did
             if score < best_score - 1e-9:  # ties: the shortest lag
                 best_score, then = score, held
         return then
