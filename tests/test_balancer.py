@@ -698,7 +698,8 @@ def test_kv_capacity_is_learnt_whatever_the_polls_lag_behind_the_gauges_refresh(
     inflight: list[RequestInfo] = []
     sig = Signals(max_age=30.0)
     gauges = (0, 0, 0.0)
-    events = [(i * 0.1, "load") for i in range(1, 1000)] + [(i * 10.0, "refresh") for i in range(1, 10)]
+    # No load change between a refresh and a poll 0.05 s after it: that poll learns at the refresh's moment.
+    events = [(i * 0.1 + 0.07, "load") for i in range(1000)] + [(i * 10.0, "refresh") for i in range(1, 10)]
     events += [(phase + i * 2.0, "poll") for i in range(50)]
     for t, what in sorted(events, key=lambda e: (e[0], e[1] != "refresh")):
         clock.t = t
