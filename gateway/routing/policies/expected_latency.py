@@ -8,7 +8,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections import deque
 from typing import Any, Sequence
 
 from ...metrics import AFFINITY_PICKS
@@ -23,8 +22,7 @@ from .sizes import Sizes, SizesByModel
 class BackendModel:
     """What the expected-latency policy knows about one backend."""
 
-    __slots__ = ("full_at", "done", "inflight", "area", "area_t", "w", "sn", "sy", "fit", "ext", "remote", "remote_max", "if_max", "slots", "kv", "kv_capacity", "prefixes", "signals", "prefilling",
-                 "held_log", "lag_miss", "polled_at")
+    __slots__ = ("full_at", "done", "inflight", "area", "area_t", "w", "sn", "sy", "fit", "ext", "remote", "remote_max", "if_max", "slots", "kv", "kv_capacity", "prefixes", "signals", "prefilling")
 
     def __init__(self, now: float, prefixes: PrefixMemory):
         self.inflight: dict[int, RequestInfo] = {}  # requests this gateway has on it
@@ -47,13 +45,6 @@ class BackendModel:
         self.kv = 0.0  # KV tokens our in-flight requests will hold (prompt + output each)
         self.prefilling = 0.0  # uncached prompt tokens of ours in flight with no first byte seen: kept, not summed per dispatch
         self.kv_capacity: float | None = None  # the engine's KV cache in tokens, from gpu_cache_usage_perc
-        # (time, KV held, sequences) on b since about the last poll, every replica's, at each change we see: the
-        # gauges were computed at some moment between two polls, and the capacity is learnt against that moment.
-        self.held_log: deque[tuple[float, float, float]] = deque(maxlen=4096)  # ~2 s of a busy backend's dispatches and completions
-        # Per LAG_BIN of lag behind a poll, decayed over the refreshes: how badly the sequences then matched the
-        # gauges, and the log of the capacity it implied (weight, Σx, Σx²: a wrong lag's scatter).
-        self.lag_miss: list[list[float]] = []
-        self.polled_at = 0.0  # the last /metrics poll
         self.prefixes = prefixes
         self.signals: Signals | None = None  # the last poll of its /metrics
 
@@ -173,15 +164,6 @@ class ExpectedLatencyBalancer(Balancer):
     # elsewhere. The replay (bench/routing/README.md, hit-rate pass): 1.5 beats 1 on every column on the
     # heterogeneous fleet over 8 seeds x 5 relays, 40- and 60-s traces; 2 and 3 keep too many evicted prefixes.
     PREFIX_ROOM = 1.5
-    LAG_BIN = 0.05  # seconds: the resolution of the gauges' lag behind our polls
-    LAG_MAX = 10.0  # the longest lag looked for (LMDeploy refreshes its gauges every 10 s)
-    LAG_DECAY = 0.8  # per changed poll: the lag's evidence follows the last few refreshes (polls and refreshes drift)
-    LAG_SCATTER = 50.0  # a lag whose implied capacities scatter by ±20 % (log) weighs 2 sequences of mismatch a refresh
-    LAG_MARGIN = 1.0  # another lag than the poll's own moment must explain the gauges this much better (a sequence's worth)
-    # Shorter lags count as the poll's own moment: a prompt poll learns as before, the rest of the model (the
-    # prefix room, KV waits) being tuned against it (a 0.05-s lag taken into account moved the single-replica
-    # replay's 95 % rows by +5-14 % TTFT p99).
-    LAG_MIN = 0.25
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -215,7 +197,6 @@ class ExpectedLatencyBalancer(Balancer):
             m.remote = b.remote_in_flight
             if m.remote > m.remote_max:
                 m.remote_max = m.remote
-            self._log_held(b, m)
         if m.slots is None and b.slots is not None:
             # Slots the launcher knows (the group's max_batch_size, the sim's default): no need to
             # wait for /metrics to show a queue. ``balancer.slots`` still wins when set.
@@ -537,7 +518,6 @@ class ExpectedLatencyBalancer(Balancer):
         m.inflight[id(req)] = req
         if len(m.inflight) > m.if_max:
             m.if_max = len(m.inflight)
-        self._log_held(backend, m)
         # Every prompt enters b's prefix cache, a shared one or not: with the room known, the memory
         # drops what the engine's LRU would.
         m.prefixes.add(req.prefix_keys, now, prompt, self._room(backend, m, req.model))
@@ -604,7 +584,6 @@ class ExpectedLatencyBalancer(Balancer):
         m.kv = max(0.0, m.kv - req.kv_tokens) if m.inflight else 0.0
         m.prefilling = (m.prefilling - req.uncached if not req.first_byte_at else m.prefilling) if m.inflight else 0.0
         backend.in_flight -= 1
-        self._log_held(backend, m)
         if outcome.ok:
             self._sizes(req.model).learn(req, outcome)
             self._learn_speed(backend, m, req, outcome, now)
@@ -675,11 +654,8 @@ class ExpectedLatencyBalancer(Balancer):
         self._memo = None
         m = self._model(backend)
         m.signals = signals
-        now = self.clock()
-        m.advance(now)
-        self._log_held(backend, m)
+        m.advance(self.clock())
         if changed:
-            then = self._held_lag(backend, m, signals, now)  # before ext follows these gauges: the lag matches against them
             seen = signals.running + signals.waiting
             # Beyond the most that this and the other replicas had there since the last scrape: the
             # gauges are up to 10 s old, and counting the replicas' requests from them (instead of
@@ -699,63 +675,10 @@ class ExpectedLatencyBalancer(Balancer):
                     held -= sum(j.kv_tokens for j in itertools.islice(reversed(m.inflight.values()), ours))
                     if remote:
                         held -= backend.remote_kv * min(1.0, (queued - ours) / remote)
-                held += then - m.kv - backend.remote_kv  # as held when the gauges were computed
                 if held > 0:
                     cap = held / signals.kv_usage
                     m.kv_capacity = cap if m.kv_capacity is None else 0.7 * m.kv_capacity + 0.3 * cap
-        if not signals.fresh(now):
+        if not signals.fresh(self.clock()):
             m.ext = 0.0
         m.if_max = len(m.inflight)
         m.remote_max = m.remote
-        m.polled_at = now
-        log = m.held_log
-        while len(log) > 1 and log[1][0] <= now:
-            log.popleft()  # only the state at this poll on: the next change was computed after it
-
-    @staticmethod
-    def _log_held(b: Backend, m: BackendModel) -> None:
-        m.held_log.append((m.area_t, m.kv + b.remote_kv, len(m.inflight) + m.remote))
-
-    def _held_lag(self, b: Backend, m: BackendModel, signals: Signals, now: float) -> float:
-        """The KV every replica held on b when the engine computed the gauges this poll shows.
-
-        They were computed at one moment since the last poll, and that moment is a fixed lag behind our
-        polls (the engine refreshes them every 10 s, we poll at our own fixed interval): a replica polling
-        1.55 s after each refresh learnt the capacity from what was held 1.55 s later, 7k-30k tokens where
-        the engine had 16k and one polling at once learnt 17k-19k (bench/routing/README.md, replicas). The
-        lag is where, over the last few refreshes, the sequences we knew of matched the gauges' running +
-        waiting best and the capacities it implied (held then over the usage) agreed (a wrong lag's scatter
-        with the load's drift), by ``LAG_MARGIN`` over the poll's own moment, which a gateway polling soon after
-        each refresh keeps; ties: the shortest. What was held then is the answer."""
-        log = m.held_log
-        if not m.polled_at or len(log) < 2:
-            return m.kv + b.remote_kv
-        seen = signals.running + signals.waiting - m.ext  # the gauges' sequences less the direct clients' (last poll's)
-        usage = signals.kv_usage if signals.kv_usage >= 0.2 else 0.0  # as the capacity is learnt: not from a near-empty cache
-        bins = min(int((now - m.polled_at) / self.LAG_BIN), int(self.LAG_MAX / self.LAG_BIN))
-        miss = m.lag_miss
-        while len(miss) < bins:
-            miss.append([0.0, 0.0, 0.0, 0.0])
-        lam = self.LAG_DECAY
-        best_score, then = math.inf, m.kv + b.remote_kv
-        i = len(log) - 1
-        for j in range(bins):
-            t = now - j * self.LAG_BIN
-            while i > 0 and log[i][0] > t:
-                i -= 1
-            held, n = log[i][1], log[i][2]
-            e = miss[j]
-            e[0] = lam * e[0] + abs(n - seen)
-            if usage and held > 0:
-                x = math.log(held / usage)
-                e[1] = lam * e[1] + 1.0
-                e[2] = lam * e[2] + x
-                e[3] = lam * e[3] + x * x
-            score = e[0] + (self.LAG_SCATTER * (e[3] - e[2] * e[2] / e[1]) if e[1] > 0.0 else 0.0)
-            if not j:
-                score -= self.LAG_MARGIN  # the poll's moment unless a lag is clearly better: a prompt poll learns as it did
-            elif j * self.LAG_BIN < self.LAG_MIN:
-                continue
-            if score < best_score - 1e-9:  # ties: the shortest lag
-                best_score, then = score, held
-        return then
