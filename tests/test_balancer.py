@@ -607,6 +607,57 @@ def test_speed_and_batch_slowdown_are_learnt_from_completions():
     assert bal.gamma == pytest.approx(0.02, rel=0.2)
 
 
+def test_replicas_sharing_their_completions_learn_speed_and_slowdown_as_one_replica_seeing_them_all():
+    """Two replicas, each sent half of every batch, exchange as the cluster does (load entries, then the
+    placements message with the speed observations): each learns σ per backend and γ as one replica
+    that saw every completion, not from its half alone; its own observations are never counted twice."""
+    from gateway.state.cluster import apply_load, learn_placements, load_entry, placements_message
+
+    clock = Clock()
+    whole = mel(clock)
+    reps = [mel(clock, seed=1), mel(clock, seed=2)]
+    fleets = [backends("fast", "slow") for _ in reps]
+    alone = backends("fast", "slow")
+    for bal in reps:
+        bal.share_placements()
+    true = {"fast": 0.0025, "slow": 0.01}
+
+    def exchange() -> None:
+        for i, bal in enumerate(reps):
+            apply_load(fleets[i], load_entry(fleets[1 - i], reps[1 - i]))
+        for i, bal in enumerate(reps):
+            msg = placements_message(f"r{i}", bal.placements)
+            for j, other in enumerate(reps):
+                learn_placements(msg, f"r{j}", {b.id: b for b in fleets[j]}.get, other)  # r{i} skips its own
+
+    rnd = random.Random(0)
+    for i in range(120):
+        k = i % 2
+        n, out = 2 * rnd.randint(1, 20), rnd.randint(20, 200)
+        batch = [(bal, fleet[k], [req(prompt=100, out=out, stream=True) for _ in range(n // 2)]) for bal, fleet in zip(reps, fleets)]
+        batch.append((whole, alone[k], [req(prompt=100, out=out, stream=True) for _ in range(n)]))
+        for bal, b, rs in batch:
+            for r in rs:
+                bal.dispatched(b, r)
+        exchange()
+        clock.t += 0.01
+        for bal, b, rs in batch:
+            for r in rs:
+                bal.first_byte(b, r, 0.01)
+        clock.t += (out - 1) * true[alone[k].id] * (1 + 0.02 * n)
+        for bal, b, rs in batch:
+            for r in rs:
+                bal.completed(b, r, Outcome(status=200, ok=True, ttft=0.01, prompt_tokens=100, completion_tokens=out))
+        exchange()
+        clock.t += 1.0
+    for bal, fleet in zip(reps, fleets):
+        assert bal.gamma == pytest.approx(whole.gamma, rel=1e-6)
+        for b, w in zip(fleet, alone):
+            assert bal.sigma(b, bal.fleet_sigma(fleet)) == pytest.approx(whole.sigma(w, whole.fleet_sigma(alone)), rel=1e-6)
+            assert bal._model(b).w == pytest.approx(whole._model(w).w, rel=1e-9)  # every completion once: none twice, none lost
+    assert whole.gamma == pytest.approx(0.02, rel=0.2)
+
+
 def test_output_length_is_learnt_from_usage():
     bal = mel()
     (a,) = backends("a")

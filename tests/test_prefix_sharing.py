@@ -303,3 +303,35 @@ def test_a_placements_message_is_bounded_and_validated_before_anything_is_learnt
     cluster._on_placements(b"{not json")  # ignored, never raised
     cluster._on_placements(json.dumps({"from": cluster.store.replica, "p": {"a": [CHAIN]}}).encode())  # its own echo
     assert (bal.models(target).prefixes.depth(tuple(CHAIN), bal.clock()) == len(CHAIN)) is learnt
+
+
+@pytest.mark.parametrize(("speeds", "learnt"), [
+    ({"a": [0.02, 3.5, 0.03, 1]}, 2),  # two observations (y, n̄): a whole n̄ arrives as an integer
+    ({"a": [0.02, 3.5, 0.03]}, 0),  # not whole pairs
+    ({"a": [0.02, 0.5]}, 0),  # a mean batch under 1
+    ({"a": [-0.02, 3.0, 0.0, 3.0]}, 0),  # not a positive speed
+    ({"a": [1e6, 3.0, 0.02, 1e9]}, 0),  # past any real seconds per token or batch
+    ({"a": ["0.02", 3.0, True, 3.0, None, 2.0]}, 0),  # not numbers
+    ({"a": [0.02, 3.0] * 1500}, 1024),  # at most 1024 a backend in one message: the newest
+    ({"zz": [0.02, 3.0]}, 0),  # a backend this replica does not have
+    ({"a": {"y": 0.02}}, 0),
+    ([0.02, 3.0], 0),
+])
+def test_speed_observations_in_a_message_are_validated_and_bounded(speeds, learnt):
+    cluster, bal, target = _receiving_cluster()
+    cluster._on_placements(json.dumps({"from": "other", "p": {}, "o": speeds}).encode())
+    m = bal.models.get(target)
+    assert (m.w if m is not None else 0.0) == pytest.approx(sum(bal.DECAY ** i for i in range(learnt)))
+    before = m.w if m is not None else 0.0
+    cluster._on_placements(json.dumps({"from": cluster.store.replica, "p": {}, "o": {"a": [0.02, 3.0]}}).encode())
+    assert (bal.models.get(target).w if bal.models.get(target) is not None else 0.0) == before  # its own echo: not twice
+
+
+def test_speed_observations_ride_the_placements_log_and_leave_it_drained():
+    log = Placements(capacity=4)
+    assert not len(log)
+    for i in range(6):
+        log.observe("a" if i % 2 else "b", 0.01 * (i + 1), 1.0 + i)
+    assert len(log) == 4  # bounded: the oldest dropped while nobody drains it
+    assert log.drain_speeds() == {"b": [0.03, 3.0, 0.05, 5.0], "a": [0.04, 4.0, 0.06, 6.0]}
+    assert not len(log) and log.drain_speeds() == {}

@@ -47,6 +47,34 @@ def test_one_replicas_ejection_of_a_failing_backend_is_seen_by_the_other(keys, r
             b.stop()
 
 
+def test_each_replica_learns_the_backends_speed_from_the_others_completions_once(keys, redis_server):
+    """Through a real Redis (the speed observations ride the load exchange's placements message): what one
+    replica learns from a completion, the other learns too, and neither counts one twice (its own
+    observations come back to neither, and what it learnt from the other is not sent on)."""
+    with Sim(MODEL, "--ttft", "0", "--tpot", "0.01", api_key="backend-secret") as sim:
+        a, b = _pair(keys, sim, redis_server.url)
+        try:
+            models = [gw.gateway.balancer.models(gw.gateway.pool.get("sim-0")) for gw in (a, b)]
+            decay = a.gateway.balancer.DECAY
+
+            def counted(n: int) -> float:
+                return sum(decay**i for i in range(n))  # n completions' weight in the decayed sums
+
+            for _ in range(3):
+                assert _post(a, keys.alice, max_tokens=8).status_code == 200
+            wait_until(lambda: models[1].w > 0, 3, 0.02, "b learning a's completions")
+            time.sleep(0.3)  # several exchanges: anything sent twice or back would have landed by now
+            assert models[0].w == pytest.approx(counted(3)) and models[1].w == pytest.approx(counted(3))
+            assert models[1].sy == pytest.approx(models[0].sy) and models[1].sn == pytest.approx(models[0].sn)
+            assert _post(b, keys.alice, max_tokens=8).status_code == 200
+            wait_until(lambda: models[0].w > counted(3) + 1e-9, 3, 0.02, "a learning b's completion")
+            time.sleep(0.3)
+            assert models[0].w == pytest.approx(counted(4)) and models[1].w == pytest.approx(counted(4))
+        finally:
+            a.stop()
+            b.stop()
+
+
 def test_in_flight_per_backend_is_summed_over_replicas_and_a_dead_replicas_count_expires(keys, redis_server):
     with Sim(MODEL, "--ttft", "2", "--tpot", "0", api_key="backend-secret") as sim:
         a, b = _pair(keys, sim, redis_server.url)

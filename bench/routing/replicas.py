@@ -14,7 +14,8 @@ One run, one seeded trace (the routing bench's workload, ``trace.py``), the hete
   sees its own requests in full and, for the others', their in-flight count per backend and what
   those requests hold there (KV, output left, prefill), published through Redis
   (``Backend.remote_in_flight``, ``remote_kv``...), and the prefixes they placed on each backend
-  with their prompts' sizes (``gateway/state/cluster.py``); learnt speeds stay per replica.
+  with their prompts' sizes, and each completion's speed and mean batch, which every replica learns
+  σ and γ from as from its own (``gateway/state/cluster.py``).
   ``python -m bench.routing.offline --replicas N`` is the same scenario in virtual time.
 
 The bench starts its own redis-server on a free loopback port and stops it at the end.

@@ -181,18 +181,36 @@ class Placements:
     Each chain goes with its prompt's size in tokens: the receiving memory sizes the prompt's tail
     past the last key with it, as for a prompt it placed itself (without, it counted only the keys'
     segments and kept documents the engine had evicted for the tails).
+
+    The same message carries the policy's speed observations (``observe``): each completion's
+    seconds per output token and mean batch on its backend, which the other replicas learn from as
+    from their own (each learnt σ and γ from a quarter of the completions with four replicas).
     """
 
-    __slots__ = ("_out",)
+    __slots__ = ("_out", "_speeds")
 
     def __init__(self, capacity: int = 1024):
         self._out: deque[tuple[str, tuple[int, ...], int]] = deque(maxlen=capacity)
+        self._speeds: deque[tuple[str, float, float]] = deque(maxlen=capacity)
 
     def __len__(self) -> int:
-        return len(self._out)
+        return len(self._out) + len(self._speeds)
 
     def record(self, backend_id: str, keys: tuple[int, ...], tokens: int = 0) -> None:
         self._out.append((backend_id, keys, tokens))
+
+    def observe(self, backend_id: str, y: float, nbar: float) -> None:
+        """A completion on ``backend_id``: ``y`` seconds per output token at a mean batch of ``nbar``."""
+        self._speeds.append((backend_id, y, nbar))
+
+    def drain_speeds(self) -> dict[str, list[float]]:
+        """{backend id: its observations flat, y and n̄ alternating, oldest first}; empties the log."""
+        by: dict[str, list[float]] = {}
+        out = self._speeds
+        while out:
+            bid, y, nbar = out.popleft()
+            by.setdefault(bid, []).extend((y, nbar))
+        return by
 
     def drain(self) -> dict[str, list[list[int]]]:
         """{backend id: its key chains (each a prompt's leading keys), each once, in the order they were

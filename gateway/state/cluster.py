@@ -79,20 +79,32 @@ def apply_load(backends: Any, totals: dict[str, int]) -> bool:
 
 
 MAX_PROMPT_TOKENS = 10_000_000  # a placed prompt's size; larger is not a real prompt
+# Speed observations (y, n̄) in one received message, per backend (a sender's log holds 1024 in all), and
+# the range of real ones: an observation outside is dropped, as it would skew every replica's σ and γ.
+MAX_SPEEDS_PER_BACKEND = 1024
+MAX_SECONDS_PER_TOKEN = 600.0
+MAX_BATCH = 1_000_000.0
 
 
 def placements_message(replica: str, placements: Any) -> bytes:
     """The placements since the last exchange (``routing.prefix.Placements``), drained into one message:
     ``p`` the key chains per backend, ``t`` their prompts' tokens in the same order (a replica that
-    predates ``t`` reads ``p`` alone)."""
+    predates ``t`` reads ``p`` alone), and ``o`` the policy's speed observations per backend (y, n̄ pairs
+    flat; a replica that predates ``o`` ignores it)."""
     chains, tokens = placements.drain_sized()
-    return orjson.dumps({"from": replica, "p": chains, "t": tokens})
+    msg: dict[str, Any] = {"from": replica, "p": chains, "t": tokens}
+    speeds = placements.drain_speeds()
+    if speeds:
+        msg["o"] = speeds
+    return orjson.dumps(msg)
 
 
 def learn_placements(data: bytes | str, replica: str, backend: Callable[[str], Any], balancer: Any) -> None:
-    """Another replica's placements message into ``balancer``'s prefix memory. Redis content is not
-    trusted: the size is checked before the parse, every chain and count is validated, and a backend's
-    token counts that are not one valid count per chain are ignored (its chains still count)."""
+    """Another replica's placements message into ``balancer``'s prefix memory, and its speed observations
+    into ``balancer.learn_speeds`` (a replica's own message is skipped: never counted twice). Redis content
+    is not trusted: the size is checked before the parse, every chain and count is validated, a backend's
+    token counts that are not one valid count per chain are ignored (its chains still count), and an
+    observation that is not a (y, n̄) pair of finite numbers in range is dropped."""
     if len(data) > MAX_PLACEMENTS_BYTES:
         return  # checked before the parse: its cost stays bounded whatever lands on the channel
     try:
@@ -114,6 +126,17 @@ def learn_placements(data: bytes | str, replica: str, backend: Callable[[str], A
                  if isinstance(c, list) and 0 < len(c) <= MAX_CHAIN_KEYS and all(type(k) is int for k in c)]
         if valid:
             balancer.learn_placements(b, [chains[i] for i in valid], [tokens[i] for i in valid] if tokens is not None else None)
+    speeds = msg.get("o")
+    if isinstance(speeds, dict):
+        for bid, flat in speeds.items():
+            b = backend(bid)
+            if b is None or not isinstance(flat, list) or len(flat) % 2:
+                continue
+            tail = flat[-2 * MAX_SPEEDS_PER_BACKEND:]  # the newest (an even count: pairs stay whole)
+            pairs = [(float(y), float(n)) for y, n in zip(tail[::2], tail[1::2])
+                     if type(y) in (int, float) and type(n) in (int, float) and 0.0 < y <= MAX_SECONDS_PER_TOKEN and 1.0 <= n <= MAX_BATCH]
+            if pairs:
+                balancer.learn_speeds(b, pairs)
 
 
 class Cluster:

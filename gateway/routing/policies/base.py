@@ -12,7 +12,8 @@ Capability flags say what a policy reads, so nobody pays for what it ignores:
 - ``reads_signals``: the gateway polls the backends' /metrics and calls ``observe_signals``;
 - ``shares_prefixes``: it keeps a prefix memory per backend; with a shared store the cluster calls
   ``share_placements`` (this replica's placements to publish) and calls ``learn_placements`` with the
-  other replicas'.
+  other replicas'. The same log carries its speed observations (``Placements.observe``), which the
+  others' ``learn_speeds`` takes.
 """
 
 from __future__ import annotations
@@ -170,6 +171,10 @@ class Balancer:
     def learn_placements(self, backend: Backend, chains: Sequence[Sequence[int]], tokens: Sequence[int] | None = None) -> None:
         """Another replica sent requests with these prefix key chains to ``backend`` (``shares_prefixes``);
         ``tokens``: each one's prompt tokens, in the same order (None: an older replica did not say)."""
+
+    def learn_speeds(self, backend: Backend, observations: Sequence[tuple[float, float]]) -> None:
+        """Another replica's completions on ``backend``: (seconds per output token, mean batch) each, oldest
+        first, from its ``placements`` log (``Placements.observe``)."""
 
     def shared_load(self, backend: Backend) -> tuple[float, float, float]:
         """What this replica's requests in flight on ``backend`` hold, for the other replicas (the load

@@ -613,6 +613,23 @@ class ExpectedLatencyBalancer(Balancer):
             return
         y = span / (k - 1)  # seconds per output token
         nbar = max(1.0, (m.area - req.area_at) / (now - (req.first_byte_at or req.dispatched_at)))
+        self._add_speed(m, y, nbar)
+        self._fit_gamma()
+        if self.placements is not None:
+            self.placements.observe(b.id, y, nbar)  # the other replicas learn from it too (learn_speeds)
+
+    def learn_speeds(self, backend: Backend, observations: Sequence[tuple[float, float]]) -> None:
+        # Another replica's completions on b, as if ours: with N replicas each one otherwise fits σ and
+        # γ from 1/N of the completions (bench/routing/README.md, replicas: TTFT p99 +11 % on 30-s
+        # traces with 4). Folded into the same decayed sums, so a replica that stops (or dies) weighs
+        # less with every later completion, as an old one of ours does.
+        self._memo = None
+        m = self._model(backend)
+        for y, nbar in observations:
+            self._add_speed(m, y, nbar)
+        self._fit_gamma()
+
+    def _add_speed(self, m: BackendModel, y: float, nbar: float) -> None:
         lam = self.DECAY
         m.w = lam * m.w + 1.0
         m.sn = lam * m.sn + nbar
@@ -624,7 +641,6 @@ class ExpectedLatencyBalancer(Balancer):
         f[2] = lam * f[2] + nbar * nbar
         f[3] = lam * f[3] + y
         f[4] = lam * f[4] + nbar * y
-        self._fit_gamma()
 
     def _fit_gamma(self) -> None:
         """γ: each backend's least-squares line y = a + c·n̄, pooled as c/a weighted by the spread of
