@@ -706,24 +706,21 @@ def _stream(bal, b: Backend, clock: Clock) -> RequestInfo:
 
 
 @pytest.mark.parametrize(
-    "late_ttft, kv_usage, history, slots",
+    "late_ttft, kv_usage, slots",
     [
-        (1.0, 0.3, True, 4),
-        (0.04, 0.3, True, None),  # first bytes as soon as the prefill allows
-        (1.0, 0.9, True, None),  # a nearly full KV cache: r5 and r6 may have waited for KV room, not a slot
-        (1.0, 0.3, False, None),  # σ is still the fleet's prior: a slower backend's first bytes all look late
+        (1.0, 0.3, 4),
+        (0.04, 0.3, None),  # first bytes as soon as the prefill allows
+        (1.0, 0.9, None),  # a nearly full KV cache: r5 and r6 may have waited for KV room, not a slot
     ],
 )
-def test_first_bytes_that_waited_for_a_slot_teach_the_batch_size(late_ttft, kv_usage, history, slots):
+def test_first_bytes_that_waited_for_a_slot_teach_the_batch_size(late_ttft, kv_usage, slots):
     """An engine with 4 slots: r5 and r6 queue behind r1-r4 and start when one of those ends. Two late
     first bytes that count the same batch (the ones started or sent before, r itself) set the slots; first
-    bytes as soon as the prefill allows teach nothing, nor late ones while the KV cache is nearly full or
-    before the backend's own speed is known."""
+    bytes as soon as the prefill allows teach nothing, nor late ones while the KV cache is nearly full."""
     clock = Clock()
     bal = mel(clock)
     (a,) = backends("a")
-    if history:
-        set_sigma(bal, a, SIGMA0)
+    set_sigma(bal, a, SIGMA0)
     rs = [_stream(bal, a, clock) for _ in range(6)]
     bal.observe_signals(a, Signals(running=4, waiting=2, kv_usage=kv_usage, scraped_at=clock.t), changed=True)
     bal._model(a).slots = None  # only the first bytes teach it here
