@@ -30,6 +30,7 @@ from typing import AsyncIterator
 import httptools
 
 from ._compat import nodelay
+from .deadline import MovingDeadline
 from ._compat import timeout as _timeout
 
 IDLE_EXPIRY = 4.0  # below uvicorn's (and so lmdeploy's) 5 s keep-alive timeout
@@ -79,7 +80,7 @@ class _Conn(asyncio.Protocol):
         "transport", "parser", "status", "headers", "chunks", "buffered", "done", "lost",
         "waiter", "head_waiter", "keep_alive", "idle_since", "_paused", "_header_name",
         "violation", "head_bytes", "head_complete", "max_header_bytes", "max_headers", "peer", "why", "header_size", "loop",
-        "timer", "timer_at", "deadline", "timed",
+        "clock", "timed",
     )
 
     def __init__(self, max_header_bytes: int = MAX_HEADER_BYTES, max_headers: int = MAX_HEADERS, peer: str = "") -> None:
@@ -94,11 +95,8 @@ class _Conn(asyncio.Protocol):
         self.why: str | None = None  # set by a parser callback that refused what it saw
         self.parser = httptools.HttpResponseParser(self)
         # One deadline at a time (the head's, then each body wait's): ``timed`` is resolved with
-        # _TIMED_OUT at ``deadline`` by ``timer``, a handle that fires at ``timer_at`` <= deadline
-        # and re-arms itself for the rest (see ``time``), as the server's connections do.
-        self.timer: asyncio.TimerHandle | None = None
-        self.timer_at = 0.0
-        self.deadline = 0.0
+        # _TIMED_OUT when ``clock`` (made with the connection) expires, as the server's connections time theirs.
+        self.clock: MovingDeadline | None = None
         self.timed: asyncio.Future | None = None
         self._reset()
 
@@ -125,6 +123,7 @@ class _Conn(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
         # Kept here: asyncio.get_running_loop() costs a getpid() syscall per call on Python < 3.12.
         self.loop = asyncio.get_running_loop()
+        self.clock = MovingDeadline(self.loop)
         nodelay(transport)  # the request goes out in one write; its bytes must not wait for an ACK
 
     def data_received(self, data: bytes) -> None:
@@ -156,38 +155,25 @@ class _Conn(asyncio.Protocol):
         self.lost = True
         self._fail()
         self.timed = None
-        if self.timer is not None:  # nothing is left to time: do not keep this connection alive until it fires
-            self.timer.cancel()
-            self.timer = None
+        if self.clock is not None:  # nothing is left to time: do not keep this connection alive until it fires
+            self.clock.stop()
 
     # -- deadlines --------------------------------------------------------------------------------
     def time(self, waiter: asyncio.Future, deadline: float) -> None:
         """Resolve ``waiter`` with _TIMED_OUT at ``deadline`` (loop time) unless it is done first; the
-        caller clears ``timed`` after its wait. Requests on a kept-alive connection move the deadline
-        later each time: the handle that would fire first is kept and re-arms itself for the rest
-        when it fires, so a request rarely makes or cancels one."""
+        caller calls ``untime`` after its wait."""
         self.timed = waiter
-        self.deadline = deadline
-        if self.timer is not None:
-            if self.timer_at <= deadline:
-                return
-            self.timer.cancel()
-        self.timer_at = deadline
-        self.timer = self.loop.call_at(deadline, self._expired)  # type: ignore[union-attr]
+        self.clock.arm(deadline, self._timed_out)  # type: ignore[union-attr]  # made in connection_made
 
-    def _expired(self) -> None:
-        self.timer = None
-        waiter = self.timed
-        if waiter is None or waiter.done():
-            return
-        loop = self.loop
-        assert loop is not None
-        if loop.time() < self.deadline:  # moved later since the handle was made: wait the rest
-            self.timer_at = self.deadline
-            self.timer = loop.call_at(self.deadline, self._expired)
-            return
+    def untime(self) -> None:
         self.timed = None
-        waiter.set_result(_TIMED_OUT)
+        if self.clock is not None:
+            self.clock.disarm()
+
+    def _timed_out(self) -> None:
+        waiter, self.timed = self.timed, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(_TIMED_OUT)
 
     def _fail(self) -> None:
         self.lost = True
@@ -311,7 +297,7 @@ class H1Response:
                 await waiter
             finally:
                 conn.waiter = None
-                conn.timed = None
+                conn.untime()
             if waiter.result() is _TIMED_OUT:
                 raise Timeout()
 
@@ -408,7 +394,7 @@ class H1Pool:
             raise
         finally:
             conn.head_waiter = None
-            conn.timed = None
+            conn.untime()
         if waiter.result() is _TIMED_OUT:
             conn.transport.close()  # the backend may still answer: that connection is done
             raise Timeout()

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import httptools
 
 from .._compat import nodelay
+from ..deadline import MovingDeadline
 from .answers import STATUS_PHRASES, error_response
 
 if TYPE_CHECKING:
@@ -82,12 +83,8 @@ class HttpConnection(asyncio.Protocol):
         self.cycle: RequestCycle | None = None  # the one the app is running
         self.pending: collections.deque[RequestCycle] = collections.deque()  # pipelined, parsed ahead
         self.parsing: RequestCycle | None = None  # the one whose body is being parsed
-        # One deadline at a time (keep-alive, header, body, linger): ``deadline`` and ``on_expire``
-        # say which; ``timer`` is a handle that fires at ``timer_at`` <= deadline (see ``_arm``).
-        self.timer: asyncio.TimerHandle | None = None
-        self.timer_at = 0.0
-        self.deadline = 0.0
-        self.on_expire: Callable[[], None] | None = None
+        # One deadline at a time (keep-alive, header, body, linger), on one moving timer.
+        self.clock = MovingDeadline(self.loop)
         self.lingering = False
         self.linger_left = 0
         self.closed = False
@@ -112,10 +109,7 @@ class HttpConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.out.clear()
-        self._disarm()
-        if self.timer is not None:  # nothing is left to time: do not keep this connection alive until it fires
-            self.timer.cancel()
-            self.timer = None
+        self.clock.stop()  # nothing is left to time: do not keep this connection alive until it fires
         self.conns.forget(self)
         for cycle in (self.cycle, self.parsing, *self.pending):
             if cycle is not None:
@@ -361,33 +355,12 @@ class HttpConnection(asyncio.Protocol):
 
     # -- timers -------------------------------------------------------------------------------
     def _arm(self, delay: float, callback: Callable[[], None]) -> None:
-        """``callback`` in ``delay`` seconds, replacing what was armed. A request moves the deadline
-        three times (header, body, keep-alive): a timer handle that would fire first is kept and
-        re-arms itself for the rest when it fires, so a request rarely makes or cancels one."""
-        when = self.loop.time() + delay
-        self.deadline = when
-        self.on_expire = callback
-        if self.timer is not None:
-            if self.timer_at <= when:
-                return
-            self.timer.cancel()
-        self.timer_at = when
-        self.timer = self.loop.call_at(when, self._expired)
+        """``callback`` in ``delay`` seconds, replacing what was armed (a request moves the deadline
+        three times: header, body, keep-alive)."""
+        self.clock.arm(self.loop.time() + delay, callback)
 
     def _disarm(self) -> None:
-        self.on_expire = None  # the handle, if any, fires with nothing to do
-
-    def _expired(self) -> None:
-        self.timer = None
-        callback = self.on_expire
-        if callback is None:
-            return
-        if self.loop.time() < self.deadline:  # moved later since the handle was made: wait the rest
-            self.timer_at = self.deadline
-            self.timer = self.loop.call_at(self.deadline, self._expired)
-            return
-        self.on_expire = None
-        callback()
+        self.clock.disarm()
 
     def _idle_expired(self) -> None:
         self._close()
