@@ -5,6 +5,8 @@ import pytest
 
 from bench.routing.replicas import repeat_summary
 
+pytestmark = pytest.mark.unit
+
 
 def _row(name: str, ttfts: list[float]) -> dict:
     from bench.routing.client import pct
