@@ -30,8 +30,8 @@ from typing import AsyncIterator
 import httptools
 
 from ._compat import nodelay
-from .deadline import MovingDeadline
 from ._compat import timeout as _timeout
+from .deadline import MovingDeadline
 
 IDLE_EXPIRY = 4.0  # below uvicorn's (and so lmdeploy's) 5 s keep-alive timeout
 HIGH_WATER = 1 << 20  # bytes buffered for a slow consumer before we stop reading from the backend
@@ -270,6 +270,10 @@ class H1Response:
             return None
         data = conn.take()
         return b"" if data is None else data
+
+    def spoil(self) -> None:
+        """Never reuse this connection (aclose closes it)."""
+        self._conn.keep_alive = False
 
     def buffered(self) -> bytes | None:
         """Body bytes already received, without waiting (None when there are none right now)."""

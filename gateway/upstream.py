@@ -78,10 +78,11 @@ class UpstreamInvalid(UpstreamFailure):
 class UpstreamResponse:
     """What the router needs of a response, whatever the transport."""
 
-    __slots__ = ("status", "headers", "declared_length", "_chunks", "_close", "_max_line", "_lined", "_whole")
+    __slots__ = ("status", "headers", "declared_length", "_chunks", "_close", "_max_line", "_lined", "_whole", "_spoil")
 
     def __init__(
-        self, status: int, headers: list[tuple[bytes, bytes]], chunks, close, declared_length: int | None = None, max_line: int = 0, lined=None, whole=None
+        self, status: int, headers: list[tuple[bytes, bytes]], chunks, close, declared_length: int | None = None, max_line: int = 0, lined=None, whole=None,
+        spoil=None,
     ):
         self.status = status
         self.headers = headers  # only the allow-listed ones, lower-case names
@@ -93,6 +94,9 @@ class UpstreamResponse:
         self._lined = lined
         # Optional: whole() -> the body if all of it has arrived, else None (read_all then needs no generator).
         self._whole = whole
+        # Optional: spoil() -> the connection is never reused (a body over the cap that arrived whole is
+        # well framed, but it broke our rules: the pool must not keep it).
+        self._spoil = spoil
 
     @property
     def is_event_stream(self) -> bool:
@@ -218,16 +222,23 @@ class Upstream:
             body = response._whole()
             if body is not None:
                 if len(body) > limit:
-                    raise UpstreamInvalid("body_too_large")  # the caller's aclose() drops the connection
+                    raise self._too_large(response)
                 return body
         parts: list[bytes] = []
         size = 0
         async for chunk in response._chunks():
             size += len(chunk)
             if size > limit:
-                raise UpstreamInvalid("body_too_large")  # the caller's aclose() drops the connection
+                raise self._too_large(response)
             parts.append(chunk)
         return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    @staticmethod
+    def _too_large(response: UpstreamResponse) -> UpstreamInvalid:
+        """The refusal of a body over the cap; the caller's aclose() then drops the connection."""
+        if response._spoil is not None:
+            response._spoil()
+        return UpstreamInvalid("body_too_large")
 
     async def read_some(self, response: UpstreamResponse, limit: int) -> bytes:
         """Up to ``limit`` bytes of the body, for a log line; the rest is never read."""
@@ -373,7 +384,7 @@ class NativeUpstream(Upstream):
                 declared = _declared_length(v)
         return await self._final(UpstreamResponse(
             resp.status, headers_out, lambda: self._chunks(resp, None), resp.aclose, declared, self.limits.max_line_bytes,
-            lambda bound: self._chunks(resp, bound), resp.whole,
+            lambda bound: self._chunks(resp, bound), resp.whole, resp.spoil,
         ))
 
     async def _chunks(self, resp: H1Response, bound: LineBound | None) -> AsyncIterator[bytes]:

@@ -162,6 +162,8 @@ async def fetch(up: NativeUpstream, url: str) -> bytes:
         (b"HTTP/1.1 200 OK\r\nx-big: " + b"a" * 5000 + b"\r\ncontent-length: 0\r\n\r\n", "headers_too_large"),
         (b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\n", "malformed"),
         (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 5000\r\n\r\n{}", "body_too_large"),
+        # no length declared, the whole body in one read (read_all's no-generator path): still capped
+        (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n7d0\r\n" + b"a" * 2000 + b"\r\n0\r\n\r\n", "body_too_large"),
     ],
 )
 def test_what_the_client_refuses_and_why(answer, reason):
