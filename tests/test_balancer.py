@@ -98,6 +98,7 @@ def test_default_policy_is_min_expected_latency():
         ({"slow_start": "soon"}, "balancer.slow_start: expected a number"),
         ({"affinty_bound": 0.2}, "unknown field (did you mean 'affinity_bound'?)"),
         ({"others_load": -0.5}, "balancer.others_load: -0.5 is out of range"),
+        ({"tail_limit": -1}, "balancer.tail_limit: -1 is out of range"),
     ],
 )
 def test_invalid_balancer_config_is_refused_with_a_clear_message(section, message):
@@ -115,6 +116,7 @@ def test_invalid_balancer_config_is_refused_with_a_clear_message(section, messag
         ({"slow_start": 10}, "slow_start", 10.0),
         ({"kv_penalty": 0}, "kv_penalty", 0.0),
         ({"others_load": 0}, "others_load", 0.0),
+        ({"tail_limit": 12}, "tail_limit", 12.0),
     ],
 )
 def test_valid_balancer_config_is_read(section, field, value):
@@ -511,6 +513,32 @@ def test_affinity_holds_a_prefix_up_to_twice_the_best_score_by_default():
     assert bal.pick(bs, new).id == "a"  # the holder, at up to +100% (it was +50% before the hit-rate pass)
     bal.config = dataclasses.replace(bal.config, affinity_bound=0.5)
     assert bal.pick(bs, new).id in ("b", "c")
+
+
+@pytest.mark.parametrize(
+    "slow_sigma, out, tail_limit, expected",
+    [
+        (0.04, 400, 0.0, "s"),  # off (the default): affinity keeps the long request on the slow holder, ~16 s there
+        (0.04, 400, 8.0, "f"),  # 16 s on s against 4 s on f: s is left out
+        (0.04, 20, 8.0, "s"),  # a short request: 0.8 s on s, under the limit, so affinity still holds it
+        (0.012, 400, 1.0, "s"),  # over the limit everywhere, but s is within 1.3x of the best: still a candidate
+    ],
+)
+def test_tail_limit_keeps_a_long_request_off_a_backend_where_it_would_take_far_longer(slow_sigma, out, tail_limit, expected):
+    """The p99 at 80 % load on the heterogeneous fleet was long outputs that affinity or the others' cost sent
+    to a slow backend (bench/routing/README.md, tail latency on seed 1)."""
+    bal = mel(affinity_min_tokens=64, affinity_bound=10.0, tail_limit=tail_limit)
+    f, sl = backends("f", "s")
+    set_sigma(bal, f, 0.01)
+    set_sigma(bal, sl, slow_sigma)
+    keys = prefix_keys("s" * 2000)
+    r = req(prompt=600, keys=keys)
+    bal.dispatched(sl, r)
+    bal.completed(sl, r, Outcome(status=200, ok=True))  # s holds the prompt's prefix
+    new = req(prompt=600, out=out, keys=keys)
+    own = {b.id: p.own for b, p in zip((f, sl), bal.predict([f, sl], new))}
+    assert own["f"] < own["s"]
+    assert bal.pick([f, sl], new).id == expected
 
 
 def test_least_in_flight_counts_requests_where_expected_latency_counts_tokens():

@@ -76,6 +76,7 @@ class BalancerConfig:
     objective: str = "e2e_plus_ttft"
     ttft_weight: float = 8.0  # e2e_plus_ttft: seconds of end-to-end latency one second of TTFT is worth
     ttft_slack: float = 0.5  # e2e_within_ttft: seconds a request may start later than on the backend that would start it first, if that finishes it sooner
+    tail_limit: float = 0.0  # seconds: a backend whose predicted latency for a request (its own, not the others') is above this and above 1.3x the best one's is not picked; 0: off (a p99-over-hit-rate trade, bench/routing/README.md)
     slots: int | None = None  # batch slots of each backend (LMDeploy's --max-batch-size), when known; unset: learnt from /metrics
     queue: QueueConfig = field(default_factory=QueueConfig)
 
@@ -96,6 +97,7 @@ def read_balancer(s: Section) -> BalancerConfig:
         objective=s.enum("objective", OBJECTIVES, d.objective),
         ttft_weight=s.number("ttft_weight", d.ttft_weight, min=0, max=1000),
         ttft_slack=s.number("ttft_slack", d.ttft_slack, min=0, max=3600),
+        tail_limit=s.number("tail_limit", d.tail_limit, min=0, max=86400),
         slots=s.int("slots", d.slots, min=1, max=1_000_000),
         queue=read_queue(s.section("queue")),
     )

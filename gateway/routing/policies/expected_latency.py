@@ -138,6 +138,9 @@ class ExpectedLatencyBalancer(Balancer):
     - per model: the prompt-token correction (usage / our estimate), the max_tokens fill ratio,
       the mean output without max_tokens.
 
+    With ``tail_limit`` T set, a backend where r's own latency (L_b without the ω terms) would exceed
+    both T and 1.3x the best backend's is left out before the objective and affinity choose.
+
     Prefix affinity: the backend that served the longest prefix of the prompt (at least
     ``affinity_min_tokens``) wins if its L is within ``(1 + affinity_bound)`` of the best; if not,
     load wins. Ties on L break at random.
@@ -164,6 +167,7 @@ class ExpectedLatencyBalancer(Balancer):
     # elsewhere. The replay (bench/routing/README.md, hit-rate pass): 1.5 beats 1 on every column on the
     # heterogeneous fleet over 8 seeds x 5 relays, 40- and 60-s traces; 2 and 3 keep too many evicted prefixes.
     PREFIX_ROOM = 1.5
+    TAIL_SLACK = 1.3  # with tail_limit: backends within this factor of the best own latency stay candidates
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -313,6 +317,7 @@ class ExpectedLatencyBalancer(Balancer):
         wait = self._wait_steps(m, rems, prompt + d, others_seq, b.remote_kv)
         wait_s = wait * step
         lat += wait_s
+        own = lat  # r's own latency, before what it costs the others (tail_limit compares this)
         others = self.config.others_weight
         if others and m.slots is not None and self.config.others_load:
             # A batch near its slots refills as soon as a sequence leaves: the longer r holds a slot
@@ -343,12 +348,14 @@ class ExpectedLatencyBalancer(Balancer):
         ramp = min(1.0, self._ramp(b, now) / self._top)
         lat /= ramp
         ttft /= ramp
+        own /= ramp
         sig = m.signals
         if sig is not None and self.config.kv_penalty and sig.fresh(now) and m.slots is None:
             k = min(sig.kv_usage, 0.99)
             pen = self.config.kv_penalty * k / (1.0 - k)
             lat += pen
             ttft += pen
+            own += pen
         free = m.slots - len(m.inflight) - ext if m.slots is not None else float("inf")
         kv_free = None
         if m.kv_capacity:
@@ -357,7 +364,7 @@ class ExpectedLatencyBalancer(Balancer):
             held = m.kv + b.remote_kv + max(0.0, ext - known) * sizes.tokens_avg + prompt + d
             kv_free = 1.0 - held / m.kv_capacity
         return Prediction(ttft=ttft, e2e=lat, wait=wait_s / ramp, slots=m.slots, free=free, prefill_ahead=rho * sigma * queued / ramp,
-                          kv_free=kv_free), depth
+                          kv_free=kv_free, own=own), depth
 
     def predict(self, candidates: Sequence[Backend], req: RequestInfo) -> list[Prediction]:
         """What each candidate would do with r if it were sent now."""
@@ -471,6 +478,12 @@ class ExpectedLatencyBalancer(Balancer):
             now = self.clock()
             self._ramp_top(candidates, now)
             preds = [(*self._estimate(b, req, now, fleet), b) for b in candidates]
+        if self.config.tail_limit > 0:
+            # A long request that the objective (the others' cost, affinity) sends to a slow backend
+            # finishes there 2-3x later than on the fast one: such requests make the p99. Off by default:
+            # it costs about a point of hit rate (they leave the backend holding their document).
+            tail = max(self.config.tail_limit, self.TAIL_SLACK * min(p.own for p, _, _ in preds))
+            preds = [x for x in preds if x[0].own <= tail]
         scored = []  # (the objective's score, prefix depth, backend)
         objective = self.config.objective
         if objective == "e2e_plus_ttft":
