@@ -7,9 +7,12 @@
   its queueing as speed, which the outstanding work already counts (with one rate learnt from every
   prefill, a busy instance looked twice as slow per token as it is, held interactive requests in the
   gateway and sent them behind batch prefills: bench/routing/README.md, "Mixed priority in PD mode"). Prefix
-  affinity: prompts that start alike prefer the same instance (rendezvous hashing on the start of
-  the prompt), as long as that costs at most ``affinity_slack`` seconds over the best choice, so the
-  instance's prefix cache is reused without piling work on one instance.
+  affinity: a prompt whose start this gateway sent lately prefers the instance it went to then (its
+  prefix cache may hold it), as long as that costs at most ``affinity_slack`` seconds over the best
+  choice, so the cache is reused without piling work on one instance. A start not seen lately has
+  no cache to prefer: it goes to the best choice (ties by rendezvous hashing on the start, so alike
+  prompts from other replicas meet). Affinity once held every prompt to a hashed home: an
+  interactive prompt then waited up to the slack, often behind a batch prefill, for nothing.
 - **Decode** by decode load and KV room: fewer running decodes first, weighted by how full the KV
   cache would be with this request (capacity from ``/distserve/engine_info``: blocks x block size);
   an instance that cannot hold the request is used only when none can, one without a free batch slot
@@ -38,6 +41,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -49,6 +53,7 @@ DEFAULT_SECONDS_PER_TOKEN = 1 / 20000  # until the first prefill on an instance 
 EWMA = 0.2
 FIT_EWMA = 0.05  # the prefill fit's weight of a new sample: about the last 20 idle starts
 AFFINITY_PREFIX_BYTES = 512  # the start of the prompt that decides affinity
+AFFINITY_MEMORY = 4096  # prompt starts remembered with the instance they went to last
 
 
 @dataclass
@@ -140,6 +145,7 @@ class PDPicker:
         self.slots = slots
         self.clock = clock
         self._prefill: dict[str, _PrefillState] = {}
+        self._placed: OrderedDict[bytes, str] = OrderedDict()  # a prompt start's digest -> the instance it went to last
         self._decode: dict[str, _DecodeState] = {}
 
     # -- prefill -------------------------------------------------------------------------------
@@ -158,13 +164,18 @@ class PDPicker:
 
     def pick_prefill(self, candidates: list[Backend], tokens: int, prefix: bytes) -> Backend:
         waits = {b.id: self.predicted_wait(b, tokens) for b in candidates}
-        best = min(candidates, key=lambda b: (waits[b.id], b.in_flight))
-        if prefix:
-            head = prefix[:AFFINITY_PREFIX_BYTES]
-            home = max(candidates, key=lambda b: hashlib.blake2b(head + b.id.encode(), digest_size=8).digest())
-            if waits[home.id] <= waits[best.id] + self.affinity_slack:
-                return home
-        return best
+        if not prefix:
+            return min(candidates, key=lambda b: (waits[b.id], b.in_flight))
+        head = prefix[:AFFINITY_PREFIX_BYTES]
+        best = min(candidates, key=lambda b: (waits[b.id], b.in_flight, hashlib.blake2b(head + b.id.encode(), digest_size=8).digest()))
+        key = hashlib.blake2b(head, digest_size=16).digest()
+        last = self._placed.pop(key, None)
+        home = next((b for b in candidates if b.id == last), None)
+        chosen = home if home is not None and waits[home.id] <= waits[best.id] + self.affinity_slack else best
+        self._placed[key] = chosen.id
+        if len(self._placed) > AFFINITY_MEMORY:
+            self._placed.popitem(last=False)
+        return chosen
 
     def wait_ahead(self, b: Backend) -> float:
         """Seconds of this gateway's prefill still ahead on b (what is left of the running one included)."""
