@@ -220,6 +220,58 @@ def test_prefix_affinity_keeps_a_prompt_start_on_one_instance_within_the_slack()
     assert picker.pick_prefill(ps, 1000, shared) is not home
 
 
+def solo_prefills(picker: PDPicker, clock: "Clock", b: Backend, sizes: list[int], fixed: float = 0.04, per_token: float = 1 / 8000) -> None:
+    """Prefills that start on an idle b and take fixed + per_token x tokens."""
+    for t in sizes:
+        picker.prefill_started(b, t)
+        clock.now += fixed + t * per_token
+        picker.prefill_done(b, t, seconds=fixed + t * per_token)
+
+
+def test_prefill_speed_is_a_fixed_cost_plus_a_cost_per_token_learnt_from_idle_starts():
+    clock = Clock()
+    picker = PDPicker(clock=clock)
+    (a,) = backends(1, "prefill")
+    solo_prefills(picker, clock, a, [500, 1000, 1500] * 8)  # short prompts only, as an instance kept for interactive ones sees
+    # One rate learnt from them (0.16 ms a token at 1,000) would predict 0.64 s for a long prompt.
+    assert picker.predicted_wait(a, 4000) == pytest.approx(0.04 + 4000 / 8000, abs=0.01)
+    # A prefill that queued behind another took its wait as well: that is not speed.
+    picker.prefill_started(a, 1000)
+    picker.prefill_started(a, 1000)
+    clock.now += 0.165
+    picker.prefill_done(a, 1000, seconds=0.165)
+    clock.now += 0.165
+    picker.prefill_done(a, 1000, seconds=0.33)
+    assert picker.predicted_wait(a, 1000) == pytest.approx(0.165, abs=0.005)
+
+
+def test_what_is_left_of_a_running_prefill_counts_not_all_of_it():
+    clock = Clock()
+    picker = PDPicker(affinity_slack=0.0, clock=clock)
+    a, b = backends(2, "prefill")
+    for x in (a, b):
+        solo_prefills(picker, clock, x, [500, 1500] * 4)
+    picker.prefill_started(a, 4000)  # a batch prefill: 0.54 s
+    clock.now += 0.45
+    picker.prefill_started(b, 1000)  # an interactive one, just started: 0.165 s
+    assert picker.wait_ahead(a) == pytest.approx(0.09, abs=0.005)
+    assert picker.pick([a, b], pd_req(tokens=1000)) is a  # a starts it first
+    clock.now += 0.2  # a's prefill overran its prediction: nothing is predicted left, not less than nothing
+    assert picker.wait_ahead(a) == 0.0 and picker.predicted_wait(a, 1000) == pytest.approx(0.165, abs=0.005)
+
+
+def test_a_prompt_start_not_sent_lately_goes_to_the_best_instance_and_one_sent_lately_stays_within_the_slack():
+    picker = PDPicker(affinity_slack=0.5)
+    a, b = backends(2, "prefill")
+    picker.prefill_started(a, 4000)  # 0.2 s at the prior: within the slack, yet nothing cached there to wait for
+    assert {picker.pick_prefill([a, b], 1000, bytes([65 + i]) * 600).id for i in range(12)} == {b.id}
+    seen = bytes([65]) * 600  # went to b
+    picker.prefill_started(b, 2000)  # b is now the slower by 0.1 s: within the slack, it stays
+    assert picker.pick_prefill([a, b], 1000, seen) is b
+    picker.prefill_started(b, 200_000)  # far beyond the slack: affinity yields
+    assert picker.pick_prefill([a, b], 1000, seen) is a
+
+
 def test_decode_prefers_light_load_and_kv_room():
     picker = PDPicker()
     a, b = backends(2, "decode")

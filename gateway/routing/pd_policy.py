@@ -1,10 +1,18 @@
 """Choosing the two instances of a disaggregated (prefill/decode) request.
 
-- **Prefill** by predicted time to first token: the prompt tokens this gateway has in flight on
-  the instance plus the new prompt, times the instance's learnt seconds per prefill token. Prefix
-  affinity: prompts that start alike prefer the same instance (rendezvous hashing on the start of
-  the prompt), as long as that costs at most ``affinity_slack`` seconds over the best choice, so the
-  instance's prefix cache is reused without piling work on one instance.
+- **Prefill** by predicted time to first token: what is left of this gateway's prefills on the
+  instance (their predicted seconds less the time the first of them has run) plus the new prompt's.
+  A prefill's seconds are the instance's learnt fixed cost plus its learnt cost per token, fitted
+  only on prefills that started on an idle instance: a prefill that queued behind others would teach
+  its queueing as speed, which the outstanding work already counts (with one rate learnt from every
+  prefill, a busy instance looked up to twice as slow per token as it is, held interactive requests in the
+  gateway and sent them behind batch prefills: bench/routing/README.md, "Mixed priority in PD mode"). Prefix
+  affinity: a prompt whose start this gateway sent lately prefers the instance it went to then (its
+  prefix cache may hold it), as long as that costs at most ``affinity_slack`` seconds over the best
+  choice, so the cache is reused without piling work on one instance. A start not seen lately has
+  no cache to prefer: it goes to the best choice (ties by rendezvous hashing on the start, so alike
+  prompts from other replicas meet). Affinity once held every prompt to a hashed home: an
+  interactive prompt then waited up to the slack, often behind a batch prefill, for nothing.
 - **Decode** by decode load and KV room: fewer running decodes first, weighted by how full the KV
   cache would be with this request (capacity from ``/distserve/engine_info``: blocks x block size);
   an instance that cannot hold the request is used only when none can, one without a free batch slot
@@ -33,6 +41,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -42,13 +51,58 @@ from .signals import Signals, learn_slots
 
 DEFAULT_SECONDS_PER_TOKEN = 1 / 20000  # until the first prefill on an instance is measured
 EWMA = 0.2
+FIT_EWMA = 0.05  # the prefill fit's weight of a new sample: about the last 20 idle starts
 AFFINITY_PREFIX_BYTES = 512  # the start of the prompt that decides affinity
+AFFINITY_MEMORY = 4096  # prompt starts remembered with the instance they went to last
+
+
+@dataclass
+class PrefillFit:
+    """Seconds of one prefill on an idle instance = fixed + per_token x tokens, by exponentially
+    weighted least squares. Fixed costs (a step's decode pass, the hops) are why one rate misleads:
+    learnt from short prompts it overcharges long ones, and instances fed different prompt lengths
+    (interactive ones, batch ones) look different in speed when they are alike."""
+
+    n: float = 0.0
+    x: float = 0.0
+    y: float = 0.0
+    xx: float = 0.0
+    xy: float = 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        keep = 1.0 - FIT_EWMA if self.n else 0.0
+        self.n = self.n * keep + 1.0
+        self.x = self.x * keep + tokens
+        self.y = self.y * keep + seconds
+        self.xx = self.xx * keep + tokens * tokens
+        self.xy = self.xy * keep + tokens * seconds
+
+    def model(self) -> tuple[float, float]:
+        """(fixed seconds, seconds per token); one rate through the origin while the prompts seen
+        are too alike in length to tell the two apart, the prior before any."""
+        if not self.n or self.x <= 0:
+            return 0.0, DEFAULT_SECONDS_PER_TOKEN
+        mx, my = self.x / self.n, self.y / self.n
+        var = self.xx / self.n - mx * mx
+        if var > (0.1 * mx) ** 2:  # lengths spread by more than 10 %
+            slope = (self.xy / self.n - mx * my) / var
+            fixed = my - slope * mx
+            if slope > 0 and fixed >= 0:
+                return fixed, slope
+        return 0.0, my / mx
+
+    def seconds(self, tokens: int, count: int = 1) -> float:
+        fixed, per_token = self.model()
+        return count * fixed + tokens * per_token
 
 
 @dataclass
 class _PrefillState:
     outstanding_tokens: int = 0
-    seconds_per_token: float = DEFAULT_SECONDS_PER_TOKEN
+    outstanding: int = 0  # this gateway's prefills on it
+    since: float = 0.0  # when the first of them started: when it went busy, or the last one ended
+    solo_tokens: int | None = None  # the prefill that started on it idle, until the next one ends
+    fit: PrefillFit = field(default_factory=PrefillFit)
 
 
 @dataclass(slots=True, eq=False)
@@ -91,27 +145,42 @@ class PDPicker:
         self.slots = slots
         self.clock = clock
         self._prefill: dict[str, _PrefillState] = {}
+        self._placed: OrderedDict[bytes, str] = OrderedDict()  # a prompt start's digest -> the instance it went to last
         self._decode: dict[str, _DecodeState] = {}
 
     # -- prefill -------------------------------------------------------------------------------
     def predicted_wait(self, b: Backend, tokens: int) -> float:
-        st = self._prefill.get(b.id) or _PrefillState()
-        return (st.outstanding_tokens + tokens) * st.seconds_per_token
+        """Seconds until a prefill of ``tokens`` sent to b now is done: what is left ahead, then its own."""
+        st = self._prefill.get(b.id)
+        if st is None:
+            return PrefillFit().seconds(tokens)
+        return self._left(st) + st.fit.seconds(tokens)
+
+    def _left(self, st: _PrefillState) -> float:
+        """Seconds left of this gateway's prefills on an instance: the first has run since ``since``."""
+        if not st.outstanding:
+            return 0.0
+        return max(0.0, st.fit.seconds(st.outstanding_tokens, st.outstanding) - (self.clock() - st.since))
 
     def pick_prefill(self, candidates: list[Backend], tokens: int, prefix: bytes) -> Backend:
         waits = {b.id: self.predicted_wait(b, tokens) for b in candidates}
-        best = min(candidates, key=lambda b: (waits[b.id], b.in_flight))
-        if prefix:
-            head = prefix[:AFFINITY_PREFIX_BYTES]
-            home = max(candidates, key=lambda b: hashlib.blake2b(head + b.id.encode(), digest_size=8).digest())
-            if waits[home.id] <= waits[best.id] + self.affinity_slack:
-                return home
-        return best
+        if not prefix:
+            return min(candidates, key=lambda b: (waits[b.id], b.in_flight))
+        head = prefix[:AFFINITY_PREFIX_BYTES]
+        best = min(candidates, key=lambda b: (waits[b.id], b.in_flight, hashlib.blake2b(head + b.id.encode(), digest_size=8).digest()))
+        key = hashlib.blake2b(head, digest_size=16).digest()
+        last = self._placed.pop(key, None)
+        home = next((b for b in candidates if b.id == last), None)
+        chosen = home if home is not None and waits[home.id] <= waits[best.id] + self.affinity_slack else best
+        self._placed[key] = chosen.id
+        if len(self._placed) > AFFINITY_MEMORY:
+            self._placed.popitem(last=False)
+        return chosen
 
     def wait_ahead(self, b: Backend) -> float:
-        """Seconds of this gateway's prefill already queued on b."""
+        """Seconds of this gateway's prefill still ahead on b (what is left of the running one included)."""
         st = self._prefill.get(b.id)
-        return st.outstanding_tokens * st.seconds_per_token if st is not None else 0.0
+        return self._left(st) if st is not None else 0.0
 
     # -- the queue's binder (the prefill phase) ----------------------------------------------------
     def pick(self, candidates: Sequence[Backend], req: PDRequest) -> Backend:
@@ -181,13 +250,24 @@ class PDPicker:
         return self.room_or_wait(prefills, decodes, req, hold, reserve)[0]
 
     def prefill_started(self, b: Backend, tokens: int) -> None:
-        self._prefill.setdefault(b.id, _PrefillState()).outstanding_tokens += tokens
+        st = self._prefill.setdefault(b.id, _PrefillState())
+        if not st.outstanding:
+            st.since = self.clock()
+            # Idle (no other replica's request on it either): its time will be its own work alone.
+            st.solo_tokens = tokens if b.remote_in_flight == 0 else None
+        st.outstanding += 1
+        st.outstanding_tokens += tokens
 
     def prefill_done(self, b: Backend, tokens: int, seconds: float | None) -> None:
+        """seconds: the prefill's time when it succeeded. Only one that started on an idle instance
+        teaches its speed, and only if it ends first (the same length: one queued behind it may not)."""
         st = self._prefill.setdefault(b.id, _PrefillState())
-        st.outstanding_tokens = max(0, st.outstanding_tokens - tokens)
-        if seconds is not None and tokens > 0:
-            st.seconds_per_token += EWMA * (seconds / tokens - st.seconds_per_token)
+        st.outstanding = max(0, st.outstanding - 1)
+        st.outstanding_tokens = max(0, st.outstanding_tokens - tokens) if st.outstanding else 0
+        st.since = self.clock()  # the next one runs from now
+        if seconds is not None and tokens > 0 and st.solo_tokens == tokens:
+            st.fit.add(tokens, seconds)
+        st.solo_tokens = None
 
     # -- decode --------------------------------------------------------------------------------
     def set_capacity(self, b: Backend, tokens: int) -> None:
