@@ -769,15 +769,22 @@ def test_a_queue_beside_fewer_running_than_seen_teaches_no_slots():
     assert bal._model(a).slots == 24  # a queue beside more than ever seen still does
 
 
-@pytest.mark.parametrize("done_before, slots", [(0.04, 4), (None, None), (2.0, None)])
-def test_late_first_bytes_teach_slots_only_just_after_a_slot_freed(done_before, slots):
+@pytest.mark.parametrize("history, done_before, slots", [(0, 0.04, 4), (0, None, None), (0, 2.0, None), (3, 2.0, 4)])
+def test_late_first_bytes_teach_slots_only_just_after_a_slot_freed_until_three_completions(history, done_before, slots):
     """The engine admits a queued request only when a sequence leaves, so a first byte that waited for a
-    slot comes a step after one of ours completed (with no others' sequences there). Late first bytes with
-    no completion before them, or one long before, are a σ still off (the fleet prior on a slow backend)."""
+    slot comes a step after one of ours completed (with no others' sequences there). Until the backend has
+    3 completions (σ still mostly the fleet's prior), late first bytes with no completion just before them
+    are that σ, not a full batch. Afterwards lateness alone counts: on sockets a completion is seen only
+    once its stream is relayed, often after the next first byte."""
     clock = Clock()
     bal = mel(clock)
     (a,) = backends("a")
     set_sigma(bal, a, SIGMA0)
+    for _ in range(history):
+        r = _stream(bal, a, clock)
+        bal.first_byte(a, r, 0.04)
+        bal.completed(a, r, Outcome(status=200, ok=True, completion_tokens=50))
+    clock.t += 10.0
     rs = [_stream(bal, a, clock) for _ in range(6)]
     for r in rs[:4]:
         bal.first_byte(a, r, 0.04)

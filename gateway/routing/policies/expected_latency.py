@@ -160,6 +160,7 @@ class ExpectedLatencyBalancer(Balancer):
     MIN_RAMP = 0.1
     LATE_STEPS = 3  # a first byte this many decode steps past twice its predicted prefill waited for a slot
     LAG_MARGIN = 4.0  # ... past this many times the gateway's own event-loop lag, too (a first byte crosses a few loop turns)
+    SLOT_HISTORY = 3  # ... and, until b has this many completions, only just after one of them
     MAX_LOAD = 0.9  # the slot load u at which others_load's u/(1-u) stops growing (9x)
     # The prefix memory keeps what fits in this many times the KV its sequences leave free. Above 1 it leans
     # to affinity: a prefix near the end of the engine's LRU still draws its next request back to the backend
@@ -580,10 +581,12 @@ class ExpectedLatencyBalancer(Balancer):
         if late <= 0.0:
             return  # not late, or no later than the gateway's own event loop made it
         t0 = req.dispatched_at
-        if ext < 1.0 and not any(now - t <= (1.0 + self.LATE_STEPS) * step + self.LAG_MARGIN * self.lag.lag() for t in m.done):
-            # The engine admits a queued request only when a sequence leaves: with no others' sequences
-            # there, one of ours completed a step before r's first byte. Lateness without one is a
-            # σ still off (the fleet prior on a slow backend): 5-11 of 32 slots learnt 1-3 s in.
+        if len(m.done) < self.SLOT_HISTORY and ext < 1.0 and not any(
+                now - t <= (1.0 + self.LATE_STEPS) * step + self.LAG_MARGIN * self.lag.lag() for t in m.done):
+            # While σ is mostly the fleet's prior (a slower backend's first bytes all look late: 5-11 of 32
+            # slots learnt 1-3 s in), a late first byte counts only a step after one of ours left: the engine
+            # admits a queued request only then (with no others' sequences there). Not later: on sockets a
+            # completion is seen after its stream is relayed, often after the next first byte (γ 0.26).
             return
         if m.kv_capacity is not None and m.kv >= 0.8 * m.kv_capacity or m.signals is not None and m.signals.kv_usage >= 0.8:
             return
