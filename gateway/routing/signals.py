@@ -114,13 +114,11 @@ def update_signals(sig: Signals, values: dict[str, float], now: float) -> bool:
     return changed
 
 
-def learn_slots(slots: int | None, sig: Signals, seen: int = 0) -> int | None:
+def learn_slots(slots: int | None, sig: Signals) -> int | None:
     """A backend's batch slots after a poll that changed the gauges: a real queue (not the few that
     arrived during one step) while the KV cache has room means every slot is taken; more running than
-    assumed means more slots. Only ever raises what it is given (a configured or launched count).
-    ``seen``: the most sequences the backend was seen running at once; a queue beside fewer is a
-    burst's arrivals within one step, not a full batch (a flood in bursts of 20 taught 5-6 of 32)."""
-    if sig.running > 0 and sig.running >= seen and sig.waiting >= max(2.0, 0.25 * sig.running) and sig.kv_usage < 0.8:
+    assumed means more slots. Only ever raises what it is given (a configured or launched count)."""
+    if sig.running > 0 and sig.waiting >= max(2.0, 0.25 * sig.running) and sig.kv_usage < 0.8:
         return max(slots or 0, int(sig.running))
     if slots is not None and sig.running > slots:
         return int(sig.running)

@@ -22,8 +22,7 @@ from .sizes import Sizes, SizesByModel
 class BackendModel:
     """What the expected-latency policy knows about one backend."""
 
-    __slots__ = ("full_at", "done", "inflight", "area", "area_t", "w", "sn", "sy", "fit", "ext", "remote", "remote_max", "if_max", "slots", "kv", "kv_capacity", "prefixes", "signals", "prefilling",
-                 "decoding", "run_max")
+    __slots__ = ("full_at", "done", "inflight", "area", "area_t", "w", "sn", "sy", "fit", "ext", "remote", "remote_max", "if_max", "slots", "kv", "kv_capacity", "prefixes", "signals", "prefilling")
 
     def __init__(self, now: float, prefixes: PrefixMemory):
         self.inflight: dict[int, RequestInfo] = {}  # requests this gateway has on it
@@ -43,8 +42,6 @@ class BackendModel:
         self.slots: int | None = None  # the engine's batch slots, learnt when /metrics shows a queue or a first byte comes late
         self.full_at = 0  # sequences on the backend at the last sign of a full batch (a slot is learnt when two agree)
         self.done: list[float] = []  # when the last few of ours completed
-        self.decoding = 0  # ours in flight with a first byte seen: each holds a batch slot
-        self.run_max = 0  # most sequences seen in its batch at once (ours decoding, or its /metrics): its slots are at least this
         self.kv = 0.0  # KV tokens our in-flight requests will hold (prompt + output each)
         self.prefilling = 0.0  # uncached prompt tokens of ours in flight with no first byte seen: kept, not summed per dispatch
         self.kv_capacity: float | None = None  # the engine's KV cache in tokens, from gpu_cache_usage_perc
@@ -160,7 +157,6 @@ class ExpectedLatencyBalancer(Balancer):
     MIN_RAMP = 0.1
     LATE_STEPS = 3  # a first byte this many decode steps past twice its predicted prefill waited for a slot
     LAG_MARGIN = 4.0  # ... past this many times the gateway's own event-loop lag, too (a first byte crosses a few loop turns)
-    SLOT_HISTORY = 3  # ... and, until b has this many completions, only just after one of them
     MAX_LOAD = 0.9  # the slot load u at which others_load's u/(1-u) stops growing (9x)
     # The prefix memory keeps what fits in this many times the KV its sequences leave free. Above 1 it leans
     # to affinity: a prefix near the end of the engine's LRU still draws its next request back to the backend
@@ -544,11 +540,6 @@ class ExpectedLatencyBalancer(Balancer):
         m.advance(now)
         if not req.first_byte_at and now:
             m.prefilling -= req.uncached
-            m.decoding += 1
-            if m.decoding > m.run_max:
-                m.run_max = m.decoding
-                if m.slots is not None and m.decoding > m.slots:
-                    m.slots = m.decoding  # more decoding at once than assumed: more slots (as learn_slots from /metrics)
         req.first_byte_at = now
         req.area_at = m.area
         sigma = self.sigma(backend, self._fleet)
@@ -577,25 +568,15 @@ class ExpectedLatencyBalancer(Balancer):
         # 0.77-0.83 to 1.27-2.22 s (bench/routing/README.md, seventh pass).
         step = sigma * (1.0 + self.gamma * m.batch())
         self.lag.arm()
-        late = ttft - 2.0 * self.rho * sigma * req.prefill_ahead - step - self.LAG_MARGIN * self.lag.lag() - self.LATE_STEPS * step
-        if late <= 0.0:
+        if ttft - 2.0 * self.rho * sigma * req.prefill_ahead - step - self.LAG_MARGIN * self.lag.lag() <= self.LATE_STEPS * step:
             return  # not late, or no later than the gateway's own event loop made it
-        t0 = req.dispatched_at
-        if len(m.done) < self.SLOT_HISTORY and ext < 1.0 and not any(
-                now - t <= (1.0 + self.LATE_STEPS) * step + self.LAG_MARGIN * self.lag.lag() for t in m.done):
-            # While σ is mostly the fleet's prior (a slower backend's first bytes all look late: 5-11 of 32
-            # slots learnt 1-3 s in), a late first byte counts only a step after one of ours left: the engine
-            # admits a queued request only then (with no others' sequences there). Not later: on sockets a
-            # completion is seen after its stream is relayed, often after the next first byte (γ 0.26).
-            return
         if m.kv_capacity is not None and m.kv >= 0.8 * m.kv_capacity or m.signals is not None and m.signals.kv_usage >= 0.8:
             return
         if not all(j.stream for j in m.inflight.values()):
             return  # a non-streamed request shows no first byte: which of them run is not known
+        t0 = req.dispatched_at
         batch = sum(1 for j in m.inflight.values() if j.first_byte_at or j.dispatched_at <= t0)
         batch += int(ext) + sum(1 for t in m.done if now - t < 0.5 * step)
-        if batch < m.run_max:
-            return  # more than that were seen in its batch at once: not a full one
         if batch == m.full_at:
             m.slots = batch
         m.full_at = batch
@@ -608,8 +589,6 @@ class ExpectedLatencyBalancer(Balancer):
         now = self.clock()
         m.advance(now)  # the batch integral still counts this request up to now
         del m.inflight[id(req)]
-        if req.first_byte_at:
-            m.decoding -= 1
         m.done.append(now)
         if len(m.done) > 8:
             del m.done[0]
@@ -693,9 +672,7 @@ class ExpectedLatencyBalancer(Balancer):
             # gauges are up to 10 s old, and counting the replicas' requests from them (instead of
             # the exchange's fresh count) held a burst's load on a backend for seconds after it left.
             m.ext = max(0.0, seen - m.if_max - m.remote_max)
-            m.slots = learn_slots(m.slots, signals, m.run_max)
-            if signals.running > m.run_max:
-                m.run_max = int(signals.running)
+            m.slots = learn_slots(m.slots, signals)
             if signals.kv_usage >= 0.2 and m.kv + backend.remote_kv > 0:
                 # The KV the admitted requests hold (ours, and the other replicas' as they report it) over
                 # the usage the gauge shows: without theirs, N replicas each learnt about 1/N of the cache.
