@@ -201,8 +201,9 @@ def run_mixed(workdir: Path, sims, speeds, fleet: str, capacity: float, loads, p
         for policy in policies:
             if policy.startswith("smg:"):
                 continue
-            a = run_one(workdir, policy, sims, alone, args.warmup, balancer, keys=KEYS)
-            f = run_one(workdir, policy, sims, flood, args.warmup, balancer, keys=KEYS)
+            dump = args.dump
+            a = run_one(workdir, policy, sims, alone, args.warmup, balancer, args.verbose, keys=KEYS, dump=dump and dump / "alone")
+            f = run_one(workdir, policy, sims, flood, args.warmup, balancer, args.verbose, keys=KEYS, dump=dump and dump / "flood")
             change = 100 * (f["ui_ttft_p99"] / a["ui_ttft_p99"] - 1) if a["ui_ttft_p99"] > 0 else float("nan")
             print(f"{policy:<36} {a['ui_ttft_p99']:>18.3f} {f['ui_ttft_p99']:>18.3f} {change:>+6.0f}% {a['ui_lat_p99']:>17.2f} {f['ui_lat_p99']:>17.2f} "
                   f"{f['ui_refused']:>8d} {f['bulk_refused']:>9d} {f['bulk_lat_p99']:>12.2f} {f['bulk_done']:>9d}", flush=True)

@@ -31,6 +31,7 @@ class BenchGateway(Gateway):
             out.update(gamma=bal.gamma, rho=bal.rho, fleet_sigma=fleet, picks=bal.picks, affinity_picks=bal.affinity_picks)
             out["sigma"] = {b.id: bal.sigma(b, fleet) for b in self.pool}
             out["kv_capacity"] = {b.id: bal.models(b).kv_capacity for b in self.pool}
+            out["slots"] = {b.id: bal.models(b).slots for b in self.pool}
             out["sizes"] = {m: {"fill": s.fill, "out_avg": s.out_avg, "token_ratio": s.token_ratio} for m, s in bal.sizes.items()}
         if self.scraper is not None:
             out["signals"] = {i: repr(sig) for i, sig in self.scraper.signals.items()}
