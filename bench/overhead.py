@@ -325,7 +325,7 @@ def measure(target: str, url: str, k: str | None, pid: int | None, mode: str, bo
     if redis_row and n:
         r["redis_cmds"] = (redis_commands(redis_port) - rcmd0) / n
         r["redis_cpu_us"] = (cpu_seconds(redis_pid) - rcpu0) / n * 1e6 if redis_pid else float("nan")
-        print(f"  {'':22} redis: {r['redis_cmds']:.2f} scripts/req (1 admission each; the settles that ended meanwhile ride in its call), redis-server cpu/req {r['redis_cpu_us']:.0f} us")
+        print(f"  {'':22} redis: {r['redis_cmds']:.2f} scripts/req (one per key per write: the admissions of one key asked for together share a call, and the settles that ended meanwhile ride in it), redis-server cpu/req {r['redis_cpu_us']:.0f} us")
     print(f"  {target:22} {mode:6} c={c:<3} {r['rps']:9.0f} req/s  p50 {r['p50_ms']:.3f} ms  p99 {r['p99_ms']:.3f} ms  cpu/req {r['cpu_us']:.0f} us  errors {r['errors']}", flush=True)
     return r
 

@@ -252,3 +252,56 @@ async def test_settles_carried_to_a_redis_that_lost_its_scripts_are_kept_and_cou
         assert await store.r.zcard(store._lease_key(key)) == 1
     finally:
         await store.close()
+
+
+async def test_one_keys_admissions_in_one_turn_share_one_call_and_are_decided_in_order(redis_server):
+    # 12 admissions of one key asked for together: one ADMIT call decides them in the order they came,
+    # each by the rules it would meet alone: 7 rpm, 5 leases, a tpm bucket of 1,000 with 300 a request.
+    import asyncio
+
+    store = await _loaded(redis_server.url)
+    key = ApiKeyConfig(name="a", hash=hash_key(new_key()), rate_limit_rpm=7, max_concurrent=5)
+    tokens = ApiKeyConfig(name="t", hash=hash_key(new_key()), rate_limit_tpm=1_000)
+    try:
+        before = await _scripts(store)
+        got = await asyncio.gather(*[store.admit(key, MODEL, 0, None) for _ in range(12)])
+        assert await _scripts(store) - before == 1  # one call for the twelve
+        admitted = [not isinstance(a, Refusal) for a in got]
+        assert admitted == [True] * 5 + [False] * 7  # the first five, in order: then the lease set is full
+        assert all(a.reason == "concurrency_limited" for a in got[5:])
+        # requests left after each admitted one, counted down in order
+        assert [int(dict(a.headers)[b"x-ratelimit-remaining-requests"]) for a in got[:5]] == [6, 5, 4, 3, 2]
+        assert await store.r.zcard(store._lease_key(key)) == 5
+        assert await store.r.llen(store._names(key)[0]) == 5  # only the admitted are in the rpm log
+        for a in got[:5]:
+            store.settle(a, _Outcome(1, 1))
+        # the leases back: now the rpm limit refuses the third of three (5 + 2 = 7 in the minute)
+        again = await asyncio.gather(*[store.admit(key, MODEL, 0, None) for _ in range(3)])
+        assert [not isinstance(a, Refusal) for a in again] == [True, True, False]
+        assert again[2].reason == "rate_limited" and dict(again[2].headers).get(b"retry-after")
+
+        before = await _scripts(store)
+        got = await asyncio.gather(*[store.admit(tokens, MODEL, 100, 200) for _ in range(4)], store.admit(key, MODEL, 0, None))
+        assert await _scripts(store) - before == 2  # one call per key
+        assert [not isinstance(a, Refusal) for a in got[:4]] == [True, True, True, False]
+        assert got[3].reason == "token_rate_limited"
+        assert [_remaining_tokens(a) for a in got[:3]] == [700, 400, 100]  # within the refill of a few ms
+    finally:
+        await store.close()
+
+
+async def test_admissions_past_a_call_s_group_go_in_further_calls_of_the_same_write(redis_server):
+    import asyncio
+
+    from gateway.state.redis import GROUP
+
+    store = await _loaded(redis_server.url)
+    key = ApiKeyConfig(name="a", hash=hash_key(new_key()), rate_limit_rpm=GROUP + 10)
+    try:
+        before = await _scripts(store)
+        got = await asyncio.gather(*[store.admit(key, MODEL, 0, None) for _ in range(GROUP + 12)])
+        assert await _scripts(store) - before == 2
+        assert [not isinstance(a, Refusal) for a in got] == [True] * (GROUP + 10) + [False] * 2
+        assert int(dict(got[GROUP + 9].headers)[b"x-ratelimit-remaining-requests"]) == 0
+    finally:
+        await store.close()

@@ -7,10 +7,12 @@
   every reconnect, so a missed message cannot leave a key stale for long.
 - Admission is one Lua script (``ADMIT``), one round trip: the rpm log, the tpm bucket, the concurrency
   lease set and the budget counter, all at Redis's clock. The admissions asked for in one turn of
-  the event loop go in one write on a lean pipelined connection (``resp.py``). Settling (refund or
+  the event loop go in one write on a lean pipelined connection (``resp.py``), those of one key in
+  one ``ADMIT`` run that decides them in order (the script's fixed part, most of its cost, once for
+  all of them). Settling (refund or
   charge tpm, drop the lease, count budget and usage) is batched: the settles of every request that
-  ended meanwhile are folded into the next admission's ``ADMIT`` call, which runs them first (one
-  script run per request, ``settle.py`` groups them), or go as one ``SETTLE_MANY`` call of their own
+  ended meanwhile are folded into the next admission's ``ADMIT`` call, which runs them first (at most
+  one script run per request, ``settle.py`` groups them), or go as one ``SETTLE_MANY`` call of their own
   after a few milliseconds when no admission comes.
 - Every call has a timeout (``state.timeout``). A failure marks Redis down for a second: known
   keys keep working from the cache, unknown keys are refused (the cache is the only source),
@@ -50,21 +52,25 @@ from .settle import SETTLE_FN, SETTLE_MANY, STORE_TPM, Settle, settle_calls
 
 log = logging.getLogger("gateway.state.redis")
 
-# An admission waiting to be sent: its packed ADMIT call, its future, and for a call that carries
-# settles (``RedisStore._fold``) its key's packed (keys, limits) and its packed (reservation, lease id).
-_Admit = tuple[bytes, asyncio.Future[Any], tuple[bytes, bytes], bytes]
+# An admission waiting to be sent: its key's packed (keys, limits), its future, and its packed
+# (reservation, lease id). The admissions of one key sent together share one ADMIT call.
+_Admit = tuple[tuple[bytes, bytes], asyncio.Future[Any], bytes]
 _Call = tuple[list[bytes], list[Any], list[Settle]]  # a SETTLE_MANY call: keys, args, the settles it carries
 
 T = TypeVar("T")
 
 MAX_PENDING = 100_000  # settles waiting for Redis; beyond it the oldest usage is dropped (and counted)
 DROP_WARN_EVERY = 10.0  # seconds between warnings about dropped settles (one per outage, then a reminder)
+GROUP = 256  # admissions of one key in one ADMIT call at most: bounds its arguments, run time and unpack()
 FLUSH_EVERY = 0.005  # seconds: the longest a settle waits for an admission write to ride on before it goes alone
 DOWN_FOR = 1.0  # seconds a failure keeps requests on the local fallback before Redis is tried again
 
 # KEYS: rpm log, tpm bucket, lease set, budget counter
-# ARGV: rpm, tpm, max concurrent, lease ttl (ms), budget, tokens to reserve, lease id (the key's
-# constants first: the gateway packs them once per key, see _admit_head)
+# ARGV: rpm, tpm, max concurrent, lease ttl (ms), budget (the key's constants: the gateway packs them
+# once per key, see _admit_head), n, then n (tokens to reserve, lease id) pairs: the admissions of one
+# key asked for in the same turn of the event loop, decided in order in one run (the trim, the reads
+# and the writes once for all of them: Redis's CPU per admission is most of the script's fixed part).
+# Returns 6 values per admission: ok, refusal reason, retry (ms), requests left, tokens left, reset (ms).
 # rpm is a sliding log of the last minute's admissions (exact: never more than rpm in any 60 s), kept
 # as a list of their times, newest pushed at the head: they leave from the tail in the order they came,
 # so expiring one is a pop (each entry popped once), the count is LLEN and the oldest is the tail, all
@@ -79,18 +85,19 @@ DOWN_FOR = 1.0  # seconds a failure keeps requests on the local fallback before 
 #   marked, or the next admission's if none is left, and the expiry set again: once a minute per key.
 # - the tpm bucket stores its expiry ('e'): see STORE_TPM (settle.py), shared with SETTLE_MANY.
 # Settles waiting when an admission is sent ride in its call, after its own keys and arguments
-# (KEYS[5..], ARGV[8..], as SETTLE_MANY takes them), and run first: one script run per request, and a
-# lease or tokens given back count for this admission already.
+# (KEYS[5..], ARGV[7 + 2n..], as SETTLE_MANY takes them), and run first: at most one script run per
+# request, and a lease or tokens given back count for these admissions already.
 ADMIT = STORE_TPM + SETTLE_FN + """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-if #ARGV > 7 then settle_many(5, 8, now) end
+local n = tonumber(ARGV[6])
+local s = 7 + 2 * n
+if #ARGV >= s then settle_many(5, s, now) end
 local rpm = tonumber(ARGV[1])
 local tpm = tonumber(ARGV[2])
 local conc = tonumber(ARGV[3])
 local ttl = tonumber(ARGV[4])
 local budget = tonumber(ARGV[5])
-local reserve = tonumber(ARGV[6])
 local r = -1
 local k = -1
 local reset = 0
@@ -114,7 +121,7 @@ if rpm > 0 then
       mark = false
     end
   else
-    mark = true -- an empty log: the admission pushed now is the refresh point
+    mark = true -- an empty log: the first admission pushed now is the refresh point
   end
   r = rpm - redis.call('LLEN', KEYS[1])
   if oldest then reset = oldest + 60000 - now end
@@ -130,43 +137,82 @@ if tpm > 0 then
     if k > tpm then k = tpm end
   end
 end
-if budget > 0 then
-  local used = tonumber(redis.call('GET', KEYS[4]) or '0')
-  if used >= budget then return {0, 'budget', 0, tostring(r), tostring(k), reset} end
-end
-if rpm > 0 and r < 1 then
-  return {0, 'rpm', reset, tostring(r), tostring(k), reset}
-end
-if tpm > 0 then
-  if reserve > tpm then return {0, 'too_big', 0, tostring(r), tostring(k), reset} end
-  if k < reserve then return {0, 'tpm', math.ceil((reserve - k) * 60000 / tpm), tostring(r), tostring(k), reset} end
-end
-if conc > 0 then
-  -- expired leases (their replica died) are dropped only when they could make a difference: at the cap
-  local held = redis.call('ZCARD', KEYS[3])
-  if held >= conc then
-    redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
-    held = redis.call('ZCARD', KEYS[3])
+local spent = false
+if budget > 0 then spent = tonumber(redis.call('GET', KEYS[4]) or '0') >= budget end
+-- The n admissions in order, each by the same rules as if it came alone (the budget is charged at
+-- settle, so it is the same for all of them); their writes go out once at the end.
+local held = nil -- leases in the set, with this call's
+local swept = false
+local leases = {}
+local pushes = 0
+local taken = false -- tokens reserved from the tpm bucket
+local out = {}
+for i = 7, s - 1, 2 do
+  local reserve = tonumber(ARGV[i])
+  local why = nil
+  local retry = 0
+  if spent then
+    why = 'budget'
+  elseif rpm > 0 and r < 1 then
+    why, retry = 'rpm', reset
+  elseif tpm > 0 and reserve > tpm then
+    why = 'too_big'
+  elseif tpm > 0 and k < reserve then
+    why, retry = 'tpm', math.ceil((reserve - k) * 60000 / tpm)
+  elseif conc > 0 then
+    if not held then held = redis.call('ZCARD', KEYS[3]) end
+    -- expired leases (their replica died) are dropped only when they could make a difference: at the cap
+    if held >= conc and not swept then
+      redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+      held = redis.call('ZCARD', KEYS[3]) + #leases / 2
+      swept = true
+    end
+    if held >= conc then why, retry = 'concurrency', 1000 end
   end
-  if held >= conc then return {0, 'concurrency', 1000, tostring(r), tostring(k), reset} end
-  redis.call('ZADD', KEYS[3], now + ttl, ARGV[7])
-  redis.call('PEXPIRE', KEYS[3], ttl * 2)
+  if why then
+    out[#out + 1] = 0
+    out[#out + 1] = why
+    out[#out + 1] = retry
+  else
+    if conc > 0 then
+      held = held + 1
+      leases[#leases + 1] = now + ttl
+      leases[#leases + 1] = ARGV[i + 1]
+    end
+    if rpm > 0 then
+      r = r - 1
+      pushes = pushes + 1
+      if reset == 0 then reset = 60000 end
+    end
+    if tpm > 0 then
+      k = k - reserve
+      taken = true
+    end
+    out[#out + 1] = 1
+    out[#out + 1] = ''
+    out[#out + 1] = 0
+  end
+  out[#out + 1] = tostring(r)
+  out[#out + 1] = tostring(k)
+  out[#out + 1] = reset
 end
-if rpm > 0 then
-  r = r - 1
+if pushes > 0 then
+  local at = {}
+  for j = 1, pushes do at[j] = now end
   if mark then
-    redis.call('LPUSH', KEYS[1], -now)
+    at[1] = -now
+    redis.call('LPUSH', KEYS[1], unpack(at))
     redis.call('PEXPIRE', KEYS[1], 120000)
   else
-    redis.call('LPUSH', KEYS[1], now)
+    redis.call('LPUSH', KEYS[1], unpack(at))
   end
-  if reset == 0 then reset = 60000 end
 end
-if tpm > 0 then
-  k = k - reserve
-  store_tpm(KEYS[2], k, e, now)
+if #leases > 0 then
+  redis.call('ZADD', KEYS[3], unpack(leases))
+  redis.call('PEXPIRE', KEYS[3], ttl * 2)
 end
-return {1, '', 0, tostring(r), tostring(k), reset}
+if taken then store_tpm(KEYS[2], k, e, now) end
+return out
 """
 
 # KEYS: lease sets; ARGV[1]: ttl (ms), ARGV[2..]: the lease ids, one per key
@@ -271,7 +317,7 @@ class RedisStore(StateStore):
         self.max_pending = MAX_PENDING
         self._dropped_warned = 0.0
         self._admits: list[_Admit] = []
-        self._admit_heads: dict[str, tuple[ApiKeyConfig, str, bytes, tuple[bytes, bytes]]] = {}  # key hash -> (key, budget period, packed head, its parts)
+        self._admit_heads: dict[str, tuple[ApiKeyConfig, str, tuple[bytes, bytes]]] = {}  # key hash -> (key, budget period, its packed keys and limits)
         self._inflight: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
         self._leases: dict[str, tuple[str, str]] = {}  # lease id -> (lease set key, lease id) held by this process
@@ -462,35 +508,32 @@ class RedisStore(StateStore):
     def _budget_key(self, key: ApiKeyConfig) -> bytes:
         return (self._names(key)[3] + current_period_id(key.budget_period)).encode()
 
-    def _admit_head(self, key: ApiKeyConfig) -> tuple[bytes, tuple[bytes, bytes]]:
-        """The packed start of a key's ADMIT call (its keys and limits), made once per key and budget
-        period: only the reservation and the lease id change from one request to the next. With it,
-        its keys and its arguments packed apart, for a call that carries settles (``_fold``)."""
+    def _admit_head(self, key: ApiKeyConfig) -> tuple[bytes, bytes]:
+        """A key's ADMIT keys and limits, packed once per key and budget period: only the reservation
+        and the lease id change from one request to the next. Equal heads share a call (``_admit_calls``)."""
         period = current_period_id(key.budget_period) if key.budget_tokens else ""
         hit = self._admit_heads.get(key.hash)
         if hit is not None and hit[0] is key and hit[1] == period:  # an edited key is a new object
-            return hit[2], hit[3]
+            return hit[2]
         if len(self._admit_heads) > 100_000:  # bounded, as _names
             self._admit_heads.clear()
         r_key, t_key, cc_key, _ = self._names(key)
         keys = [r_key, t_key, cc_key, self._budget_key(key)]
         args = [key.rate_limit_rpm or 0, key.rate_limit_tpm or 0, key.max_concurrent or 0, self._lease_ttl_ms, key.budget_tokens or 0]
-        head = self._pack([(self._admit, keys, args)], extra=2)
-        parts = (_bulks(keys), _bulks(args))
-        self._admit_heads[key.hash] = (key, period, head, parts)
-        return head, parts
+        head = (_bulks(keys), _bulks(args))
+        self._admit_heads[key.hash] = (key, period, head)
+        return head
 
     async def _decide(self, key: ApiKeyConfig, reserve: int, lease: str) -> tuple[Decision, bool, int]:
         if not self._down():
             r = b"%d" % reserve
             lid = lease.encode()
-            head, parts = self._admit_head(key)
             tail = b"$%d\r\n%s\r\n$%d\r\n%s\r\n" % (len(r), r, len(lid), lid)
             loop = self._loop
             if loop is None:
                 loop = self._loop = asyncio.get_running_loop()
             fut: asyncio.Future[Any] = loop.create_future()
-            self._admits.append((head + tail, fut, parts, tail))
+            self._admits.append((self._admit_head(key), fut, tail))
             if len(self._admits) == 1:
                 loop.call_soon(self._send_admits)
             try:
@@ -506,18 +549,41 @@ class RedisStore(StateStore):
         share = max(1, self.replicas)
         return self.fallback.admit(key, reserve, lease, share), False, share
 
-    def _pack(self, calls: list[tuple[Any, list[bytes], list[Any]]], extra: int = 0) -> bytes:
-        """EVALSHA commands in RESP, packed here: redis-py's general packer costs more than the script.
-        ``extra``: arguments the caller appends to each (counted in its header)."""
+    def _pack(self, calls: list[tuple[Any, list[bytes], list[Any]]]) -> bytes:
+        """EVALSHA commands in RESP, packed here: redis-py's general packer costs more than the script."""
         buf: list[bytes] = []
         for script, keys, args in calls:
-            buf += (_evalsha(script, len(keys), len(args) + extra), _bulks(keys), _bulks(args))
+            buf += (_evalsha(script, len(keys), len(args)), _bulks(keys), _bulks(args))
         return b"".join(buf)
 
-    def _fold(self, admit: _Admit, keys: list[bytes], args: list[Any]) -> bytes:
-        """An admission's ADMIT call carrying one SETTLE_MANY call's keys and arguments after its own."""
-        (own_keys, own_args), tail = admit[2], admit[3]
-        return b"".join((_evalsha(self._admit, 4 + len(keys), 7 + len(args)), own_keys, _bulks(keys), own_args, tail, _bulks(args)))
+    @staticmethod
+    def _admit_calls(batch: list[_Admit]) -> list[tuple[tuple[bytes, bytes], list[int]]]:
+        """The admissions grouped into ADMIT calls: one per key (by its packed head), in the order
+        the keys first came, each key's admissions in the order they came, at most GROUP a call."""
+        groups: dict[tuple[bytes, bytes], list[int]] = {}
+        for i, a in enumerate(batch):
+            idx = groups.get(a[0])
+            if idx is None:
+                groups[a[0]] = [i]
+            else:
+                idx.append(i)
+        calls: list[tuple[tuple[bytes, bytes], list[int]]] = []
+        for head, idx in groups.items():
+            if len(idx) <= GROUP:
+                calls.append((head, idx))
+            else:
+                calls += [(head, idx[j : j + GROUP]) for j in range(0, len(idx), GROUP)]
+        return calls
+
+    def _admit_call(self, batch: list[_Admit], head: tuple[bytes, bytes], idx: list[int], keys: list[bytes] | None = None, args: list[Any] | None = None) -> bytes:
+        """One ADMIT call: a key's admissions ``idx`` of ``batch``, carrying one SETTLE_MANY call's keys
+        and arguments after its own when given."""
+        n = b"%d" % len(idx)
+        nk, na = (len(keys), len(args)) if keys is not None and args is not None else (0, 0)
+        return b"".join((
+            _evalsha(self._admit, 4 + nk, 6 + 2 * len(idx) + na), head[0], _bulks(keys) if nk else b"", head[1],
+            b"$%d\r\n%s\r\n" % (len(n), n), *[batch[i][2] for i in idx], _bulks(args) if na else b"",  # type: ignore[arg-type]
+        ))
 
     async def _eval_many(self, op: str, calls: list[tuple[Any, list[bytes], list[Any]]]) -> list[Any]:
         """Run scripts as one batch of EVALSHA commands: one write, one round trip on the pipe. A Redis
@@ -546,28 +612,31 @@ class RedisStore(StateStore):
     def _send_admits(self) -> None:
         """Every admission asked for in this turn of the loop goes in one write on the pipe, with no
         task: the replies are handed out by a callback (one round trip however many arrived together).
-        The settles waiting to be flushed ride in the admissions' own calls (``_fold``): each of the
-        first admissions carries one SETTLE_MANY call's worth (at most ``CHUNK`` settles), and only
-        what is left over (a backlog after an outage) goes as SETTLE_MANY calls in the same write.
-        Holding admissions while a batch is in flight was tried: no bigger batches at c=32 (~5 commands
-        a write either way), so none wait."""
+        The admissions of one key share one ADMIT call (``_admit_calls``). The settles waiting to be
+        flushed ride in those calls: each of the first calls carries one SETTLE_MANY call's worth (at
+        most ``CHUNK`` settles), and only what is left over (a backlog after an outage) goes as
+        SETTLE_MANY calls in the same write. Holding admissions while a batch is in flight was tried:
+        no bigger batches at c=32 (~5 admissions a write either way), so none wait."""
         batch, self._admits = self._admits, []
         if not batch:
             return
+        calls = self._admit_calls(batch)
         folded: list[_Call] = []
         lone: list[_Call] = []
-        cmds = [a[0] for a in batch]
         if self._pending:
-            calls = settle_calls(self._take_settles())
-            folded, lone = calls[: len(batch)], calls[len(batch) :]
-            for j, (keys, args, _) in enumerate(folded):
-                cmds[j] = self._fold(batch[j], keys, args)
-            if lone:
-                cmds.append(self._pack([(self._settle_many, keys, args) for keys, args, _ in lone]))
-        fut = self.pipe.request(b"".join(cmds), len(batch) + len(lone))
-        fut.add_done_callback(lambda f: self._admits_done(batch, folded, lone, f))
+            settles = settle_calls(self._take_settles())
+            folded, lone = settles[: len(calls)], settles[len(calls) :]
+        cmds = [
+            self._admit_call(batch, head, idx, folded[j][0], folded[j][1]) if j < len(folded) else self._admit_call(batch, head, idx)
+            for j, (head, idx) in enumerate(calls)
+        ]
+        if lone:
+            cmds.append(self._pack([(self._settle_many, keys, args) for keys, args, _ in lone]))
+        fut = self.pipe.request(b"".join(cmds), len(calls) + len(lone))
+        fut.add_done_callback(lambda f: self._admits_done(batch, calls, folded, lone, f))
 
-    def _admits_done(self, batch: list[_Admit], folded: list[_Call], lone: list[_Call], f: asyncio.Future[list[Any]]) -> None:
+    def _admits_done(self, batch: list[_Admit], calls: list[tuple[tuple[bytes, bytes], list[int]]], folded: list[_Call],
+                     lone: list[_Call], f: asyncio.Future[list[Any]]) -> None:
         exc = f.exception()
         if exc is not None:
             stats.STATE_ERRORS.labels(op="admit").inc()
@@ -576,21 +645,21 @@ class RedisStore(StateStore):
             self._requeue([s for _, _, carried in folded + lone for s in carried])
             return
         results = f.result()
-        n = len(batch)
+        n = len(calls)
         self._settled(lone, results[n:])
         results = results[:n]
-        # A carrying call that failed is asked again without its settles, so that the admission's answer
-        # is its own; its settles are dropped and counted, as a SETTLE_MANY call's error is (the script
+        # A carrying call that failed is asked again without its settles, so that the admissions' answers
+        # are their own; its settles are dropped and counted, as a SETTLE_MANY call's error is (the script
         # may have applied them before failing), or requeued when Redis lost the script (none ran).
         again = self._settled(folded, results[: len(folded)])
         if any(_noscript(r) for r in results):  # a restarted Redis (rare): reload, then run the batch again
             self._admit_again(batch)
             return
         if again:
-            self._admit_again([batch[j] for j in again])
+            self._admit_again([batch[i] for j in again for i in calls[j][1]])
             for j in again:
                 results[j] = None  # handed out by the second call
-        self._hand_out(batch, results)
+        self._hand_out(batch, calls, results)
 
     def _admit_again(self, batch: list[_Admit]) -> None:
         task = asyncio.get_running_loop().create_task(self._run_admits(batch))
@@ -603,25 +672,35 @@ class RedisStore(StateStore):
             if not fut.done():
                 fut.set_exception(exc)
 
-    def _hand_out(self, batch: list[_Admit], results: list[Any]) -> None:
-        """Each admission its reply (None: not this one's, it was sent again)."""
-        for a, res in zip(batch, results):
-            fut = a[1]
-            if fut.done() or res is None:
+    def _hand_out(self, batch: list[_Admit], calls: list[tuple[tuple[bytes, bytes], list[int]]], results: list[Any]) -> None:
+        """Each admission its reply: the 6 values of its place in its call's (None: not this call's,
+        it was sent again). A call's error, or a reply of the wrong shape, fails all its admissions."""
+        for (_, idx), res in zip(calls, results):
+            if res is None:
                 continue
+            if not isinstance(res, Exception) and (not isinstance(res, list) or len(res) != 6 * len(idx)):
+                res = ConnectionError("an ADMIT reply of the wrong shape")
             if isinstance(res, Exception):
                 stats.STATE_ERRORS.labels(op="admit").inc()
-                fut.set_exception(res)
-            else:
-                fut.set_result(res)
+                for i in idx:
+                    fut = batch[i][1]
+                    if not fut.done():
+                        fut.set_exception(res)
+                continue
+            for j, i in enumerate(idx):
+                fut = batch[i][1]
+                if not fut.done():
+                    fut.set_result(res[6 * j : 6 * j + 6])
 
     async def _run_admits(self, batch: list[_Admit]) -> None:
+        calls = self._admit_calls(batch)
         try:
-            results = await self._eval_packed("admit", b"".join([a[0] for a in batch]), len(batch))
+            packed = b"".join([self._admit_call(batch, head, idx) for head, idx in calls])
+            results = await self._eval_packed("admit", packed, len(calls))
         except Exception as exc:
             self._admits_failed(batch, exc)
             return
-        self._hand_out(batch, results)
+        self._hand_out(batch, calls, results)
 
     def _settle(self, adm: Admission, used: int, prompt: int, completion: int, estimated: bool, counted: bool) -> None:
         key = adm.key
