@@ -187,6 +187,32 @@ def test_a_request_predicted_to_miss_its_deadline_is_refused_on_arrival():
     assert adm.waiting() == 1
 
 
+def test_waits_longer_than_the_completion_rate_predicts_make_later_arrivals_refused_at_once():
+    # Responses end at 2 a second, but the waiters are bound at half that (the others' responses free
+    # no room for them): those that timed out teach the queue that its waits run ~2x the prediction,
+    # so an arrival that the rate alone would queue (and which would then time out) is refused at once.
+    clock, gate = Clock(), Gate()
+    adm = admission(clock, gate, max_wait=((INTERACTIVE, 2.0),))
+    for _ in range(20):
+        clock.t += 0.5
+        adm.completed("m")
+    assert isinstance(adm.admit(req(), "k0", INTERACTIVE), Waiter)  # 1 / 2.x s: within 0.6 x 2 s
+    for i in range(60):  # each waits alone, is predicted ~0.5 s and is bound after 1 s (or expires)
+        w = adm.admit(req(), f"w{i}", INTERACTIVE) if i else None
+        clock.t += 1.0
+        adm.completed("m")
+        adm.completed("m")
+        gate.open = True
+        adm.drain("m")
+        gate.open = False
+        assert w is None or isinstance(w, Waiter) and w.backend is not None
+    assert adm.models["m"].wait_ratio > 1.5
+    first = adm.admit(req(), "k1", INTERACTIVE)
+    assert isinstance(first, Waiter)
+    late = adm.admit(req(), "k2", INTERACTIVE)  # one ahead: predicted ~1 s (under 1.2 s), learnt ~2 s
+    assert not isinstance(late, Waiter) and late.status == 503 and late.reason == "queue_shed"
+
+
 def test_a_full_queue_makes_room_by_shedding_the_lowest_class():
     clock, gate = Clock(), Gate()
     adm = admission(clock, gate, max_queued=2)
