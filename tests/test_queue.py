@@ -206,7 +206,7 @@ def test_waits_longer_than_the_completion_rate_predicts_make_later_arrivals_refu
         adm.drain("m")
         gate.open = False
         assert w is None or isinstance(w, Waiter) and w.backend is not None
-    assert adm.models["m"].wait_ratio > 1.5
+    assert adm.models["m"].classes[INTERACTIVE].wait_ratio > 1.5
     first = adm.admit(req(), "k1", INTERACTIVE)
     assert isinstance(first, Waiter)
     late = adm.admit(req(), "k2", INTERACTIVE)  # one ahead: predicted ~1 s (under 1.2 s), learnt ~2 s

@@ -55,7 +55,7 @@ class Binder(Protocol):
 # A request is refused on arrival when its predicted wait exceeds this share of its class's limit:
 # at the limit itself, half of those admitted would still time out in the queue (slowly).
 SHED_MARGIN = 0.6
-# The predicted wait is corrected by how long waits came out against their predictions (ModelQueue.
+# The predicted wait is corrected by how long waits came out against their predictions (ClassQueue.
 # wait_ratio): each bind or deadline moves the ratio this share of the way, within these bounds.
 WAIT_RATIO_RATE = 0.05
 WAIT_RATIO_MIN = 0.5
@@ -92,7 +92,7 @@ class Waiter:
 class ClassQueue:
     """One priority class: a FIFO per key, served by deficit round robin."""
 
-    __slots__ = ("quantum", "keys", "deficit", "size", "turn")
+    __slots__ = ("quantum", "keys", "deficit", "size", "turn", "wait_ratio")
 
     def __init__(self, quantum: float):
         self.quantum = quantum
@@ -100,6 +100,13 @@ class ClassQueue:
         self.deficit: dict[str, float] = {}
         self.size = 0
         self.turn: str | None = None  # the key whose turn it is (its quantum for this round is added)
+        # Waits as they came out against what the completion rate predicted at arrival (a moving mean
+        # of actual/predicted), per class: the rate counts every response that ends, also those of
+        # requests bound earlier and waiting in a backend's own queue, which free no room for the
+        # queue's (in overload with unknown slots the waits ran ~2x the prediction and a fifth of the
+        # refusals came at the deadline, not at once: replay, 150 %); and a lower class also waits
+        # behind the rules that keep room for higher ones.
+        self.wait_ratio = 1.0
 
     def push(self, w: Waiter) -> None:
         q = self.keys.get(w.key)
@@ -181,12 +188,6 @@ class ModelQueue:
         self.quantum = quantum
         self.classes: dict[int, ClassQueue] = {}
         self.completions: deque[float] = deque(maxlen=256)  # when recent responses of this model finished
-        # Waits as they came out against what the completion rate predicted at arrival (a moving mean
-        # of actual/predicted). The rate counts every response that ends, also those of requests
-        # bound earlier and waiting in a backend's own queue, which free no room for the queue's: in
-        # overload with unknown slots the waits ran 1.5-2x the prediction and a fifth of the refusals
-        # came at the deadline, not at once (replay, 150 %).
-        self.wait_ratio = 1.0
 
     def __len__(self) -> int:
         return sum(c.size for c in self.classes.values())
@@ -349,7 +350,7 @@ class Admission:
         if rate > 0:
             ahead = sum(c.size for p, c in q.classes.items() if p > priority) + cls.ahead_of(key)
             predicted = (ahead + 1) / rate
-            expected = predicted * q.wait_ratio
+            expected = predicted * cls.wait_ratio
             if expected > SHED_MARGIN * limit:
                 return self._shed_refusal(q, cls, key, priority, expected, "predicted")
         if len(q) >= self.config.max_queued:
@@ -418,7 +419,7 @@ class Admission:
                 break
             w.backend = self._bind(fit, w.req, w.priority)
             waited = self.clock() - w.enqueued_at
-            self._learn_wait(q, w, waited)
+            self._learn_wait(cls, w, waited)
             metrics.QUEUE_WAIT.labels(priority=priority_name(w.priority)).observe(waited)
             bound.append(w)
         return bound
@@ -434,17 +435,17 @@ class Admission:
         if cls is None or w not in cls.keys.get(w.key, ()):
             return False
         limit = self.config.wait_limit(w.priority)
-        self._learn_wait(q, w, limit)  # at least that long: the ratio learns a lower bound
+        self._learn_wait(cls, w, limit)  # at least that long: the ratio learns a lower bound
         w.refusal = self._shed_refusal(q, cls, w.key, w.priority, limit, "deadline")
         cls.remove(w)
         return True
 
     @staticmethod
-    def _learn_wait(q: ModelQueue, w: Waiter, waited: float) -> None:
-        """One wait against its prediction: the model's ratio moves WAIT_RATIO_RATE of the way."""
+    def _learn_wait(cls: ClassQueue, w: Waiter, waited: float) -> None:
+        """One wait against its prediction: its class's ratio moves WAIT_RATIO_RATE of the way."""
         if w.predicted > 0:
             ratio = min(WAIT_RATIO_MAX, max(WAIT_RATIO_MIN, waited / w.predicted))
-            q.wait_ratio += WAIT_RATIO_RATE * (ratio - q.wait_ratio)
+            cls.wait_ratio += WAIT_RATIO_RATE * (ratio - cls.wait_ratio)
 
     def cancel(self, w: Waiter) -> None:
         """The client went away while waiting."""
