@@ -305,3 +305,35 @@ async def test_admissions_past_a_call_s_group_go_in_further_calls_of_the_same_wr
         assert int(dict(got[GROUP + 9].headers)[b"x-ratelimit-remaining-requests"]) == 0
     finally:
         await store.close()
+
+
+@pytest.mark.parametrize("reply", [
+    [1, b"", 0, b"5", b"7"],  # one value short
+    [[1], b"", 0, b"5", b"7", 0],  # a nested list where the flag goes
+    [1, b"", b"soon", b"5", b"7", 0],  # a retry that is not a number
+    b"OK",  # not a list at all
+], ids=["short", "nested", "not-a-number", "not-a-list"])
+async def test_an_admit_reply_of_the_wrong_shape_is_not_trusted_the_fallback_decides(redis_server, reply):
+    # Redis is not trusted: whatever it answers, the request gets a decision (the local fallback's,
+    # within the per-replica share), never an exception, and the failure is counted.
+    import asyncio
+
+    from gateway.state import stats
+
+    store = await _loaded(redis_server.url)
+    key = ApiKeyConfig(name="a", hash=hash_key(new_key()), rate_limit_rpm=2)
+
+    def request(packed: bytes, n: int) -> asyncio.Future:
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result([reply] * n)
+        return fut
+
+    store.pipe.request = request  # type: ignore[method-assign]
+    errors = stats.STATE_ERRORS.labels(op="admit")._value.get()
+    try:
+        got = [await store.admit(key, MODEL, 0, None) for _ in range(3)]
+        assert [isinstance(a, Refusal) for a in got] == [False, False, True]  # the fallback's rpm of 2
+        assert all(not a.shared for a in got[:2])
+        assert stats.STATE_ERRORS.labels(op="admit")._value.get() >= errors + 3
+    finally:
+        await store.close()

@@ -537,12 +537,15 @@ class RedisStore(StateStore):
             if len(self._admits) == 1:
                 loop.call_soon(self._send_admits)
             try:
-                res = await fut
+                ok, reason, retry, r, k, reset = await fut
+                if type(ok) is not int:
+                    raise TypeError("not ADMIT's flag")
+                d = Decision(ok == 1, reason.decode() if isinstance(reason, bytes) else str(reason), int(retry), float(r), float(k), int(reset))
+            except (TypeError, ValueError):  # a reply that is not ADMIT's (Redis is not trusted): the fallback decides
+                stats.STATE_ERRORS.labels(op="admit").inc()
             except Exception:
                 pass
             else:
-                ok, reason, retry, r, k, reset = res
-                d = Decision(bool(ok), reason.decode() if isinstance(reason, bytes) else reason, int(retry), float(r), float(k), int(reset))
                 if d.ok and lease:
                     self._leases[lease] = (self._names(key)[2], lease)
                 return d, True, 1
