@@ -22,7 +22,8 @@ MODEL = "m"
 
 def _store(url: str) -> RedisStore:
     cfg = parse_config({"auth": {"disabled": True}, "backends": [{"url": "http://127.0.0.1:9"}],
-                        "state": {"redis_url": url, "prefix": "q" + secrets.token_hex(4), "timeout": 1.0}})
+                        # every admission decided in Redis: these tests read the log entry by entry (grants: test_state_grants.py)
+                        "state": {"redis_url": url, "prefix": "q" + secrets.token_hex(4), "timeout": 1.0, "grant_seconds": 0}})
     return RedisStore(cfg)
 
 

@@ -29,7 +29,8 @@ class _Outcome:
 
 def _store(url: str) -> RedisStore:
     cfg = parse_config({"auth": {"disabled": True}, "backends": [{"url": "http://127.0.0.1:9"}],
-                        "state": {"redis_url": url, "prefix": "s" + secrets.token_hex(4), "timeout": 1.0}})
+                        # every admission decided in Redis: these tests read its per-request effects (grants: test_state_grants.py)
+                        "state": {"redis_url": url, "prefix": "s" + secrets.token_hex(4), "timeout": 1.0, "grant_seconds": 0}})
     return RedisStore(cfg)
 
 

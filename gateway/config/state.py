@@ -26,6 +26,10 @@ class StateConfig:
     key_refresh: float = 30.0  # full reload of keys from the store, besides pub/sub invalidation
     usage_retention_days: int = 90
     default_max_tokens: int = 1024  # reserved for tpm when a request sets no max_tokens
+    # Seconds a block of a key's quota granted to this process lives (state/grants.py): while a key
+    # is far from its limits, admissions are decided here from it instead of one Redis call each.
+    # 0: every admission is decided in Redis.
+    grant_seconds: float = 0.5
 
     @property
     def shared(self) -> bool:
@@ -53,6 +57,7 @@ def read_state(s: Section) -> StateConfig:
         key_refresh=s.number("key_refresh", d.key_refresh, min=1, max=3600),
         usage_retention_days=s.int("usage_retention_days", d.usage_retention_days, min=1, max=3650),
         default_max_tokens=s.int("default_max_tokens", d.default_max_tokens, min=1, max=10_000_000),
+        grant_seconds=s.number("grant_seconds", d.grant_seconds, min=0, max=10),
     )
     s.finish()
     return cfg

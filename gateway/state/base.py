@@ -74,6 +74,10 @@ class StateStore:
     # -- limits ----------------------------------------------------------------------------------
     async def admit(self, key: ApiKeyConfig, model: str, prompt_estimate: int, max_tokens: int | None) -> Admission | Refusal:
         reserve = prompt_estimate + (max_tokens if max_tokens is not None else self.cfg.default_max_tokens) if key.rate_limit_tpm else 0
+        granted = self._from_grant(key, reserve)
+        if granted is not None:
+            decision, lease, grant = granted
+            return Admission(key, model, reserve, prompt_estimate, lease, True, rate_headers(key, decision), grant=grant)
         lease = f"{self.replica}.{next(self._lease_ids)}" if key.max_concurrent else ""  # unique over replicas, no syscall
         decision, shared, share = await self._decide(key, reserve, lease)
         if not decision.ok:
@@ -85,6 +89,10 @@ class StateStore:
         """An admission for a key without limits: nothing to decide, only usage to count (the prompt
         estimate may be a callable, run only when the response carries no usage)."""
         return Admission(key, model, 0, prompt_estimate, "", self.shared)
+
+    def _from_grant(self, key: ApiKeyConfig, reserve: int) -> tuple[Decision, str, Any] | None:
+        """An admission decided from quota this process holds (the Redis store's grants), or None."""
+        return None
 
     async def _decide(self, key: ApiKeyConfig, reserve: int, lease: str) -> tuple[Decision, bool, int]:
         raise NotImplementedError

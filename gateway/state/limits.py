@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from typing import Callable
+from typing import Any, Callable
 from dataclasses import dataclass, field
 
 from ..config import ApiKeyConfig
@@ -49,6 +49,7 @@ class Admission:
     shared: bool  # decided by the shared store (False: by this process's fallback)
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
     settled: bool = False
+    grant: Any = None  # the grant it was admitted from (state/grants.py), if any
 
 
 def period_id(period: str, now: float | None = None) -> str:

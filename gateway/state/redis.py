@@ -28,6 +28,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections import deque
@@ -44,6 +45,7 @@ from .._compat import timeout as _timeout
 from ..config import ApiKeyConfig, ConfigError
 from . import stats
 from .base import HOUR, StateStore, UsageRow, hour_of
+from .grants import ASK_FIRST, GRANT_FRACTION, GRANT_MIN, SLOTS_FIRST, Ask, Grant
 from .keys import key_from_record, key_to_record
 from .limits import Admission, Decision, LocalLimiter, current_period_id, period_seconds_left
 from .memory import merge_rows
@@ -52,9 +54,11 @@ from .settle import SETTLE_FN, SETTLE_MANY, STORE_TPM, Settle, settle_calls
 
 log = logging.getLogger("gateway.state.redis")
 
-# An admission waiting to be sent: its key's packed (keys, limits), its future, and its packed
-# (reservation, lease id). The admissions of one key sent together share one ADMIT call.
-_Admit = tuple[tuple[bytes, bytes], asyncio.Future[Any], bytes]
+# An admission waiting to be sent: its key's packed (keys, limits), its future, its packed
+# (reservation, lease id), and the grant it asks for (None: none). The admissions of one key sent
+# together share one ADMIT call (and the first ask among them).
+_Admit = tuple[tuple[bytes, bytes], asyncio.Future[Any], bytes, "Ask | None"]
+NO_ASK = b"$1\r\n0\r\n$1\r\n0\r\n$1\r\n0\r\n$0\r\n\r\n"  # ADMIT's ask arguments when none: 0 requests
 _Call = tuple[list[bytes], list[Any], list[Settle]]  # a SETTLE_MANY call: keys, args, the settles it carries
 
 T = TypeVar("T")
@@ -66,11 +70,14 @@ FLUSH_EVERY = 0.005  # seconds: the longest a settle waits for an admission writ
 DOWN_FOR = 1.0  # seconds a failure keeps requests on the local fallback before Redis is tried again
 
 # KEYS: rpm log, tpm bucket, lease set, budget counter
-# ARGV: rpm, tpm, max concurrent, lease ttl (ms), budget (the key's constants: the gateway packs them
-# once per key, see _admit_head), n, then n (tokens to reserve, lease id) pairs: the admissions of one
-# key asked for in the same turn of the event loop, decided in order in one run (the trim, the reads
-# and the writes once for all of them: Redis's CPU per admission is most of the script's fixed part).
-# Returns 6 values per admission: ok, refusal reason, retry (ms), requests left, tokens left, reset (ms).
+# ARGV: rpm, tpm, max concurrent, lease ttl (ms), budget, grant life (ms) (the key's constants: the
+# gateway packs them once per key, see _admit_head), n, a grant's ask (requests, tokens, slots, grant
+# id; 0 requests: none, see grants.py), then n (tokens to reserve, lease id) pairs: the admissions of
+# one key asked for in the same turn of the event loop, decided in order in one run (the trim, the
+# reads and the writes once for all of them: Redis's CPU per admission is most of the script's fixed part).
+# Returns 6 values per admission: ok, refusal reason, retry (ms), requests left, tokens left, reset (ms);
+# then 7 for the grant: requests, tokens and slots granted (0 requests: none), requests and tokens left
+# after it, reset (ms), and the time its rpm entries carry (ms).
 # rpm is a sliding log of the last minute's admissions (exact: never more than rpm in any 60 s), kept
 # as a list of their times, newest pushed at the head: they leave from the tail in the order they came,
 # so expiring one is a pop (each entry popped once), the count is LLEN and the oldest is the tail, all
@@ -80,18 +87,25 @@ DOWN_FOR = 1.0  # seconds a failure keeps requests on the local fallback before 
 # settled later.
 # Expiry without a PEXPIRE per request (each write command is ~1.3 us of Redis CPU):
 # - the rpm log keeps one entry stored negated, the refresh point M: when it was marked the log's
-#   expiry was set to M + 120 s. While M is in the window every entry is younger than M + 60 s, so the
-#   log outlives its newest entry by 60 s; once M leaves the window (popped) the oldest entry left is
+#   expiry was set to M + 120 s (+ the grant life: a grant's entries are stamped up to that much
+#   ahead). While M is in the window every entry is younger than M + 60 s (+ that), so the log
+#   outlives its newest entry by 60 s; once M leaves the window (popped) the oldest entry left is
 #   marked, or the next admission's if none is left, and the expiry set again: once a minute per key.
 # - the tpm bucket stores its expiry ('e'): see STORE_TPM (settle.py), shared with SETTLE_MANY.
 # Settles waiting when an admission is sent ride in its call, after its own keys and arguments
-# (KEYS[5..], ARGV[7 + 2n..], as SETTLE_MANY takes them), and run first: at most one script run per
+# (KEYS[5..], ARGV[12 + 2n..], as SETTLE_MANY takes them), and run first: at most one script run per
 # request, and a lease or tokens given back count for these admissions already.
-ADMIT = STORE_TPM + SETTLE_FN + """
+# A grant is made after the admissions, from what they left: at most 1/GRANT_FRACTION of each limit
+# the key has, and only if that is at least GRANT_MIN requests' worth of each (2 slots of a
+# concurrency cap) and less than half of a budget is spent. Its rpm entries are stamped at its end,
+# so the log counts them until a minute after any of them can be used.
+ADMIT = STORE_TPM + SETTLE_FN + f"""
+local FRACTION, MIN = {GRANT_FRACTION}, {GRANT_MIN}
+""" + """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local n = tonumber(ARGV[6])
-local s = 7 + 2 * n
+local n = tonumber(ARGV[7])
+local s = 12 + 2 * n
 if #ARGV >= s then settle_many(5, s, now) end
 local rpm = tonumber(ARGV[1])
 local tpm = tonumber(ARGV[2])
@@ -117,7 +131,7 @@ if rpm > 0 then
   if oldest then
     if mark then -- the refresh point left the window: the oldest left becomes it
       redis.call('LSET', KEYS[1], -1, -oldest)
-      redis.call('PEXPIRE', KEYS[1], 120000)
+      redis.call('PEXPIRE', KEYS[1], 120000 + tonumber(ARGV[6]))
       mark = false
     end
   else
@@ -138,7 +152,12 @@ if tpm > 0 then
   end
 end
 local spent = false
-if budget > 0 then spent = tonumber(redis.call('GET', KEYS[4]) or '0') >= budget end
+local half = true -- under half of the budget spent (or none): a grant may be made
+if budget > 0 then
+  local used = tonumber(redis.call('GET', KEYS[4]) or '0')
+  spent = used >= budget
+  half = used * 2 < budget
+end
 -- The n admissions in order, each by the same rules as if it came alone (the budget is charged at
 -- settle, so it is the same for all of them); their writes go out once at the end.
 local held = nil -- leases in the set, with this call's
@@ -147,7 +166,7 @@ local leases = {}
 local pushes = 0
 local taken = false -- tokens reserved from the tpm bucket
 local out = {}
-for i = 7, s - 1, 2 do
+for i = 12, s - 1, 2 do
   local reserve = tonumber(ARGV[i])
   local why = nil
   local retry = 0
@@ -196,26 +215,69 @@ for i = 7, s - 1, 2 do
   out[#out + 1] = tostring(k)
   out[#out + 1] = reset
 end
-if pushes > 0 then
-  local at = {}
-  for j = 1, pushes do at[j] = now end
-  if mark then
-    at[1] = -now
-    redis.call('LPUSH', KEYS[1], unpack(at))
-    redis.call('PEXPIRE', KEYS[1], 120000)
-  else
-    redis.call('LPUSH', KEYS[1], unpack(at))
+-- The grant, from what the admissions left (see above and grants.py).
+local gr, gt, gc = 0, 0, 0
+local gpush = 0
+local stamp = now + tonumber(ARGV[6])
+local ask = tonumber(ARGV[8])
+if ask > 0 and half and not spent then
+  local can = ask
+  local per = 0 -- tokens a request, as asked
+  if rpm > 0 then can = math.min(can, math.floor(r / FRACTION)) end
+  if tpm > 0 then
+    per = tonumber(ARGV[9]) / ask
+    if per > 0 then can = math.min(can, math.floor(k / FRACTION / per)) end
+  end
+  local slots = 0
+  if conc > 0 then
+    if not held then held = redis.call('ZCARD', KEYS[3]) end
+    slots = math.min(tonumber(ARGV[10]), math.floor((conc - held) / FRACTION))
+  end
+  if can >= MIN and (conc == 0 or slots >= 2) then
+    gr = can
+    if rpm > 0 then
+      gpush = can
+      r = r - can
+      if reset == 0 then reset = 60000 end
+    end
+    if tpm > 0 then
+      gt = math.floor(can * per)
+      k = k - gt
+      taken = true
+    end
+    if conc > 0 then
+      gc = slots
+      for j = 1, slots do
+        leases[#leases + 1] = now + ttl
+        leases[#leases + 1] = ARGV[11] .. '.' .. j
+      end
+    end
   end
 end
+out[#out + 1] = gr
+out[#out + 1] = gt
+out[#out + 1] = gc
+out[#out + 1] = tostring(r)
+out[#out + 1] = tostring(k)
+out[#out + 1] = reset
+out[#out + 1] = stamp
+-- (in chunks: unpack() is bounded by Lua's C stack, and a grant pushes thousands)
+if pushes + gpush > 0 then
+  local at = {}
+  for j = 1, pushes do at[j] = now end
+  for j = pushes + 1, pushes + gpush do at[j] = stamp end
+  if mark then at[1] = -at[1] end
+  for c = 1, #at, 4000 do redis.call('LPUSH', KEYS[1], unpack(at, c, math.min(c + 3999, #at))) end
+  if mark then redis.call('PEXPIRE', KEYS[1], 120000 + tonumber(ARGV[6])) end
+end
 if #leases > 0 then
-  redis.call('ZADD', KEYS[3], unpack(leases))
+  for c = 1, #leases, 4000 do redis.call('ZADD', KEYS[3], unpack(leases, c, math.min(c + 3999, #leases))) end
   redis.call('PEXPIRE', KEYS[3], ttl * 2)
 end
 if taken then store_tpm(KEYS[2], k, e, now) end
 return out
 """
 
-# KEYS: lease sets; ARGV[1]: ttl (ms), ARGV[2..]: the lease ids, one per key
 RENEW = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -329,6 +391,13 @@ class RedisStore(StateStore):
         self.local_load: Any = None  # callable returning this replica's {backend id: in flight}
         self.on_load: Any = None  # called with the other replicas' summed {backend id: in flight}
         self.handlers: dict[str, Any] = {}  # extra pub/sub channel -> callable(data) (see cluster.py)
+        # Grants (grants.py): the live one per key hash, the next ask's (requests, slots) per key, and
+        # when each key's ask in flight went (one at a time per key).
+        self._grant_life = cfg.grant_seconds
+        self._grants: dict[str, Grant] = {}
+        self._next_ask: dict[str, tuple[int, int]] = {}
+        self._asking: dict[str, float] = {}
+        self._grant_ids = itertools.count()
 
     # -- plumbing ------------------------------------------------------------------------------
     async def _call(self, op: str, aw: Awaitable[T]) -> T:
@@ -375,6 +444,7 @@ class RedisStore(StateStore):
 
     async def close(self) -> None:
         self._closing = True
+        self.end_grants()
         self._wake.set()
         pending = await stop_tasks(self._tasks, self.cfg.timeout * 2)
         if pending:
@@ -519,7 +589,8 @@ class RedisStore(StateStore):
             self._admit_heads.clear()
         r_key, t_key, cc_key, _ = self._names(key)
         keys = [r_key, t_key, cc_key, self._budget_key(key)]
-        args = [key.rate_limit_rpm or 0, key.rate_limit_tpm or 0, key.max_concurrent or 0, self._lease_ttl_ms, key.budget_tokens or 0]
+        args = [key.rate_limit_rpm or 0, key.rate_limit_tpm or 0, key.max_concurrent or 0, self._lease_ttl_ms, key.budget_tokens or 0,
+                int(self._grant_life * 1000)]
         head = (_bulks(keys), _bulks(args))
         self._admit_heads[key.hash] = (key, period, head)
         return head
@@ -533,7 +604,7 @@ class RedisStore(StateStore):
             if loop is None:
                 loop = self._loop = asyncio.get_running_loop()
             fut: asyncio.Future[Any] = loop.create_future()
-            self._admits.append((self._admit_head(key), fut, tail))
+            self._admits.append((self._admit_head(key), fut, tail, self._ask(key, reserve) if self._grant_life else None))
             if len(self._admits) == 1:
                 loop.call_soon(self._send_admits)
             try:
@@ -551,6 +622,124 @@ class RedisStore(StateStore):
                 return d, True, 1
         share = max(1, self.replicas)
         return self.fallback.admit(key, reserve, lease, share), False, share
+
+    # -- grants (grants.py) ------------------------------------------------------------------------
+    def _from_grant(self, key: ApiKeyConfig, reserve: int) -> tuple[Decision, str, Grant] | None:
+        """An admission decided here, from the key's live grant, or None (then Redis decides)."""
+        g = self._grants.get(key.hash)
+        if g is None:
+            return None
+        now = time.monotonic()
+        lease = g.take(reserve, now) if g.key is key else None
+        if lease is None:
+            if g.exhausted or now >= g.until or g.key is not key:
+                self._end_grant(g)  # its leftovers back now, and this admission asks for the next
+            return None
+        if not g.renewing and g.renew_due(now) and not self._down():
+            g.renewing = True
+            self._renew_grant(g, now)
+        return g.decision(now), lease, g
+
+    def _ask(self, key: ApiKeyConfig, reserve: int, renewing: Grant | None = None) -> Ask | None:
+        """The grant to ask for: with an admission going to Redis while the key has no grant, or
+        alone to renew a grant running out. None while an ask for the key is in flight (answered,
+        or given up after the call's deadline)."""
+        h = key.hash
+        if renewing is None and h in self._grants:
+            return None
+        now = time.monotonic()
+        asked = self._asking.get(h)
+        if asked is not None and now - asked < self.cfg.timeout * 2 + 0.1:
+            return None
+        if len(self._asking) > 100_000:  # bounded, as _names
+            self._asking.clear()
+        self._asking[h] = now
+        if renewing is not None:
+            requests, slots = renewing.next_ask(now, self._grant_life)
+        else:
+            requests, slots = self._next_ask.get(h, (ASK_FIRST, SLOTS_FIRST))
+        return Ask(key, requests, requests * max(1, reserve) if key.rate_limit_tpm else 0, slots, f"{self.replica}.g{next(self._grant_ids)}")
+
+    def _renew_grant(self, g: Grant, now: float) -> None:
+        """The next grant asked for alone (an ADMIT call of no admissions) while this one still
+        serves: its reply replaces it, so admissions keep being decided here."""
+        ask = self._ask(g.key, g.reserve_each(), renewing=g)
+        if ask is None:
+            return
+        fut = self.pipe.request(self._admit_call([], self._admit_head(g.key), [], ask=ask), 1)
+        fut.add_done_callback(lambda f: self._renewed(ask, f))
+
+    def _renewed(self, ask: Ask, f: asyncio.Future[list[Any]]) -> None:
+        if f.cancelled():  # the pipe closed (shutdown)
+            self._asking.pop(ask.key.hash, None)
+            return
+        exc = f.exception()
+        res = f.result()[0] if exc is None else exc
+        if isinstance(res, list) and len(res) == 7:
+            self._granted(ask, res)
+            return
+        self._asking.pop(ask.key.hash, None)
+        if not _noscript(res):  # a restarted Redis: the next admission that goes there loads the scripts
+            stats.STATE_ERRORS.labels(op="admit").inc()
+
+    def _granted(self, ask: Ask, tail: list[Any]) -> None:
+        """The grant part of an ADMIT reply (7 values): a live grant for the key when one was made."""
+        key = ask.key
+        self._asking.pop(key.hash, None)
+        try:
+            requests, tokens, slots, r, k, reset, stamp = (int(tail[0]), int(tail[1]), int(tail[2]), float(tail[3]), float(tail[4]),
+                                                           int(tail[5]), int(tail[6]))
+        except (TypeError, ValueError):  # not ADMIT's (Redis is not trusted): no grant
+            stats.STATE_ERRORS.labels(op="admit").inc()
+            return
+        if requests <= 0 or requests > ask.requests or tokens < 0 or tokens > ask.tokens or slots < 0 or slots > ask.slots:
+            return
+        now = time.monotonic()
+        g = Grant(
+            key, requests if key.rate_limit_rpm else -1, tokens if key.rate_limit_tpm else -1,
+            [f"{ask.grant_id}.{j}" for j in range(slots, 0, -1)] if key.max_concurrent else [], slots if key.max_concurrent else 0,
+            b"%d" % stamp, now + self._grant_life, now, requests, r, k, reset, tokens,
+        )
+        old = self._grants.get(key.hash)
+        if old is not None:
+            self._end_grant(old)
+        if len(self._grants) > 100_000:  # bounded: each ends within grant_seconds anyway
+            for other in list(self._grants.values()):
+                self._end_grant(other)
+        self._grants[key.hash] = g
+        loop = self._loop or asyncio.get_running_loop()
+        loop.call_later(self._grant_life, self._end_grant, g)
+
+    def _end_grant(self, g: Grant) -> None:
+        """A grant's end: what it left unused goes back to Redis with the next write (its rpm entries,
+        tokens and free slots), and its slots still in use become ordinary leases (renewed by the
+        heartbeat, dropped at their settle)."""
+        if g.ended:
+            return
+        g.ended = True
+        key = g.key
+        h = key.hash
+        if self._grants.get(h) is g:
+            del self._grants[h]
+        if len(self._next_ask) > 100_000:
+            self._next_ask.clear()
+        self._next_ask[h] = g.next_ask(time.monotonic(), self._grant_life)
+        r_key, t_key, cc_key, _ = self._names(key)
+        for lease in g.busy:
+            self._leases[lease] = (cc_key, lease)
+        unused = max(0, g.requests)
+        tokens = max(0, g.tokens)
+        free, g.free = tuple(g.free), []
+        if unused or tokens or free:
+            self._queue_settle(Settle(
+                t_key, key.rate_limit_tpm or 0, tokens, cc_key, "", b"", 0, -1, b"", "", 0, 0, False, False, 0,
+                r_key, g.stamp, unused, free,
+            ))
+
+    def end_grants(self) -> None:
+        """Every live grant ended now (shutdown, and tests that read Redis's counts)."""
+        for g in list(self._grants.values()):
+            self._end_grant(g)
 
     def _pack(self, calls: list[tuple[Any, list[bytes], list[Any]]]) -> bytes:
         """EVALSHA commands in RESP, packed here: redis-py's general packer costs more than the script."""
@@ -578,14 +767,18 @@ class RedisStore(StateStore):
                 calls += [(head, idx[j : j + GROUP]) for j in range(0, len(idx), GROUP)]
         return calls
 
-    def _admit_call(self, batch: list[_Admit], head: tuple[bytes, bytes], idx: list[int], keys: list[bytes] | None = None, args: list[Any] | None = None) -> bytes:
-        """One ADMIT call: a key's admissions ``idx`` of ``batch``, carrying one SETTLE_MANY call's keys
-        and arguments after its own when given."""
+    def _admit_call(self, batch: list[_Admit], head: tuple[bytes, bytes], idx: list[int], keys: list[bytes] | None = None,
+                    args: list[Any] | None = None, ask: Ask | None = None) -> bytes:
+        """One ADMIT call: a key's admissions ``idx`` of ``batch`` (and the first grant they ask for,
+        or ``ask``), carrying one SETTLE_MANY call's keys and arguments after its own when given."""
         n = b"%d" % len(idx)
         nk, na = (len(keys), len(args)) if keys is not None and args is not None else (0, 0)
+        if ask is None:
+            ask = next((a for a in (batch[i][3] for i in idx) if a is not None), None)
+        asked = _bulks((ask.requests, ask.tokens, ask.slots, ask.grant_id)) if ask is not None else NO_ASK
         return b"".join((
-            _evalsha(self._admit, 4 + nk, 6 + 2 * len(idx) + na), head[0], _bulks(keys) if nk else b"", head[1],
-            b"$%d\r\n%s\r\n" % (len(n), n), *[batch[i][2] for i in idx], _bulks(args) if na else b"",  # type: ignore[arg-type]
+            _evalsha(self._admit, 4 + nk, 11 + 2 * len(idx) + na), head[0], _bulks(keys) if nk else b"", head[1],
+            b"$%d\r\n%s\r\n" % (len(n), n), asked, *[batch[i][2] for i in idx], _bulks(args) if na else b"",  # type: ignore[arg-type]
         ))
 
     async def _eval_many(self, op: str, calls: list[tuple[Any, list[bytes], list[Any]]]) -> list[Any]:
@@ -677,11 +870,12 @@ class RedisStore(StateStore):
 
     def _hand_out(self, batch: list[_Admit], calls: list[tuple[tuple[bytes, bytes], list[int]]], results: list[Any]) -> None:
         """Each admission its reply: the 6 values of its place in its call's (None: not this call's,
-        it was sent again). A call's error, or a reply of the wrong shape, fails all its admissions."""
+        it was sent again), and the call's grant to the key that asked. A call's error, or a reply of
+        the wrong shape, fails all its admissions."""
         for (_, idx), res in zip(calls, results):
             if res is None:
                 continue
-            if not isinstance(res, Exception) and (not isinstance(res, list) or len(res) != 6 * len(idx)):
+            if not isinstance(res, Exception) and (not isinstance(res, list) or len(res) != 6 * len(idx) + 7):
                 res = ConnectionError("an ADMIT reply of the wrong shape")
             if isinstance(res, Exception):
                 stats.STATE_ERRORS.labels(op="admit").inc()
@@ -690,6 +884,9 @@ class RedisStore(StateStore):
                     if not fut.done():
                         fut.set_exception(res)
                 continue
+            ask = next((a for a in (batch[i][3] for i in idx) if a is not None), None)
+            if ask is not None:
+                self._granted(ask, res[6 * len(idx) :])
             for j, i in enumerate(idx):
                 fut = batch[i][1]
                 if not fut.done():
@@ -707,8 +904,13 @@ class RedisStore(StateStore):
 
     def _settle(self, adm: Admission, used: int, prompt: int, completion: int, estimated: bool, counted: bool) -> None:
         key = adm.key
-        if adm.lease:
-            self._leases.pop(adm.lease, None)
+        lease = adm.lease
+        if lease:
+            g = adm.grant
+            if g is not None and g.release(lease):
+                lease = ""  # back in its live grant: nothing for Redis
+            else:
+                self._leases.pop(lease, None)
         shared = adm.shared
         if not shared and key.limited:
             self.fallback.settle(key, adm.reserved, used, adm.lease, max(1, self.replicas))
@@ -726,10 +928,13 @@ class RedisStore(StateStore):
             usage_key = self._usage_keys[hour]
         settle = Settle(
             t_key, (key.rate_limit_tpm or 0) if shared else 0, adm.reserved - used if shared else 0,
-            cc_key, adm.lease if shared else "",
+            cc_key, lease if shared else "",
             self._budget_key(key) if budget else b"", used, period_seconds_left(key.budget_period, now) if budget else -1,
             usage_key, f"{key.hash[7:]}|{adm.model}", prompt, completion, estimated, counted, self.cfg.usage_retention_days * 86400,
         )
+        self._queue_settle(settle)
+
+    def _queue_settle(self, settle: Settle) -> None:
         if not self._pending:
             self._pending_since = time.monotonic()
         elif len(self._pending) >= self.max_pending:

@@ -10,7 +10,8 @@ admission), or as a ``SETTLE_MANY`` call of their own when no admission comes; g
   settling them one by one would do, so a stream that ran over still takes its tokens);
 - lease sets: one ZREM of all the ids;
 - budgets: one INCRBY of the summed tokens (a budget only grows, so the sum is exact);
-- usage hashes (one per hour): one HINCRBY per field of the summed counts.
+- usage hashes (one per hour): one HINCRBY per field of the summed counts;
+- rpm logs: a grant's unused entries taken back when it ends (``grants.py``), one LREM each.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ end
 """
 
 # The settles of one call, from KEYS[k] and ARGV[i] on (SETTLE_MANY: from the first; ADMIT: after its
-# own 4 keys and 7 arguments, when an admission carries them). Returns the next KEYS index.
+# own 4 keys and 11 + 2n arguments, when an admission carries them). Returns the next KEYS index.
 SETTLE_FN = """
 local function settle_many(k, i, now)
   local groups = tonumber(ARGV[i])
@@ -77,6 +78,13 @@ local function settle_many(k, i, now)
     redis.call('EXPIRE', KEYS[k], ttl)
     k, i = k + 1, i + 2 + 2 * n
   end
+  groups = tonumber(ARGV[i])
+  i = i + 1
+  for _ = 1, groups do -- rpm logs: a grant's unused entries taken back: n, then n (time, count) pairs
+    local n = tonumber(ARGV[i])
+    for j = i + 1, i + 2 * n, 2 do redis.call('LREM', KEYS[k], ARGV[j + 1], ARGV[j]) end
+    k, i = k + 1, i + 1 + 2 * n
+  end
   return k
 end
 """
@@ -108,6 +116,11 @@ class Settle(NamedTuple):
     estimated: bool
     counted: bool  # False: nothing to count (the request got no answer)
     usage_ttl: int
+    # A grant's end (grants.py): its unused rpm entries (log, their time, how many) and free slots.
+    rpm_key: bytes = b""
+    stamp: bytes = b""
+    unused: int = 0
+    leases: tuple[str, ...] = ()
 
 
 def settle_calls(settles: list[Settle]) -> list[tuple[list[bytes], list[Any], list[Settle]]]:
@@ -120,6 +133,7 @@ def _one_call(settles: list[Settle]) -> tuple[list[bytes], list[Any], list[Settl
     leases: dict[bytes, list[str]] = {}
     budgets: dict[bytes, list[int]] = {}  # key -> [tokens, ttl]
     usage: dict[bytes, tuple[int, dict[str, int]]] = {}
+    logs: dict[bytes, list[tuple[bytes, int]]] = {}
     for s in settles:
         if s.tpm > 0 and s.back != 0:
             group = tpm.get(s.tpm_key)
@@ -128,6 +142,10 @@ def _one_call(settles: list[Settle]) -> tuple[list[bytes], list[Any], list[Settl
             group[1].append(s.back)
         if s.lease:
             leases.setdefault(s.lease_key, []).append(s.lease)
+        if s.leases:
+            leases.setdefault(s.lease_key, []).extend(s.leases)
+        if s.unused > 0:
+            logs.setdefault(s.rpm_key, []).append((s.stamp, s.unused))
         if s.budget_ttl >= 0 and s.used > 0:
             b = budgets.get(s.budget_key)
             if b is None:
@@ -165,4 +183,10 @@ def _one_call(settles: list[Settle]) -> tuple[list[bytes], list[Any], list[Settl
         args += (ttl, len(fields))
         for f, n in fields.items():
             args += (f, n)
+    args.append(len(logs))
+    for key, taken in logs.items():
+        keys.append(key)
+        args.append(len(taken))
+        for stamp, n in taken:
+            args += (stamp, n)
     return keys, args, settles
