@@ -32,6 +32,7 @@ from .filters.cors import CorsPolicy
 from .filters.limits import RateLimit
 from .filters.media import MediaPolicy
 from .filters.paths import PathPolicy
+from .leanmetrics import CounterChild, HistogramChild
 from .local_routes import LocalRoutes
 from .responses import JSON_CONTENT_TYPE as _JSON
 from .responses import Receive, Scope, Send, refuse, send_json
@@ -117,8 +118,8 @@ class Listener:
         self.cors = cors
         self.tracer = tracer if tracer is not None and tracer.enabled else None
         self.observe = observe  # e.g. the admin listener's live stats: (ctx or None if unrouted, status, seconds, refusal reason)
-        self._counters: dict[tuple[str, int], Any] = {}
-        self._histograms: dict[str, Any] = {}
+        self._counters: dict[tuple[str, int], CounterChild] = {}
+        self._histograms: dict[str, HistogramChild] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -181,7 +182,7 @@ class Listener:
             tracing.finish(ctx, status)
         elapsed = time.monotonic() - started
         counter = self._counters.get((kind, status // 100))
-        if counter is None:  # labels() takes a lock and validates: look each child up once
+        if counter is None:  # labels() validates: look each child up once
             counter = self._counters[(kind, status // 100)] = metrics.REQUESTS.labels(route=kind, status=_STATUS_CLASS.get(status // 100, "other"))
         counter.inc()
         if kind != "unrouted":

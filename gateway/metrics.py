@@ -8,9 +8,13 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from .leanmetrics import LeanCounter, LeanHistogram
+
 REGISTRY = CollectorRegistry(auto_describe=True)
 
-REQUESTS = Counter("gateway_requests_total", "Requests answered, by route kind and status class", ["route", "status"], registry=REGISTRY)
+# The series updated on every forwarded request are lean (no lock, no validation per update; see
+# leanmetrics); the exposition is the same as prometheus_client's.
+REQUESTS = LeanCounter("gateway_requests_total", "Requests answered, by route kind and status class", ["route", "status"], registry=REGISTRY)
 REFUSALS = Counter("gateway_refusals_total", "Requests refused by a filter, by reason", ["reason"], registry=REGISTRY)
 MEDIA_REFUSALS = Counter("gateway_media_refusals_total", "Media URLs refused by the media policy, by reason", ["reason"], registry=REGISTRY)
 UPSTREAM_ERRORS = Counter("gateway_upstream_errors_total", "Failures talking to a backend, by kind", ["backend", "kind"], registry=REGISTRY)
@@ -28,14 +32,14 @@ QUEUE_WAIT = Histogram(
 AFFINITY_PICKS = Counter("gateway_affinity_picks_total", "Picks where prefix affinity chose a backend other than the lowest expected latency", registry=REGISTRY)
 IN_FLIGHT = Gauge("gateway_backend_in_flight", "Requests in flight per backend", ["backend"], registry=REGISTRY)
 BACKEND_HEALTHY = Gauge("gateway_backend_healthy", "1 when the backend is in rotation", ["backend"], registry=REGISTRY)
-LATENCY = Histogram(
+LATENCY = LeanHistogram(
     "gateway_request_duration_seconds",
     "Time from request to the end of the response, by route kind",
     ["route"],
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
     registry=REGISTRY,
 )
-TTFB = Histogram(
+TTFB = LeanHistogram(
     "gateway_time_to_first_byte_seconds",
     "Time from dispatch to the first upstream byte, by route kind",
     ["route"],

@@ -2,7 +2,7 @@
 
 Layers, bottom to top (a module may import its own layer and the ones below):
 
-    0 base      errors, routes, responses, metrics, config/, media/, logs, tracing, _compat
+    0 base      errors, routes, responses, metrics, leanmetrics, config/, media/, logs, tracing, _compat
     1 filters   filters/
     2 routing   routing/, upstream, h1, local_routes   (the terminal filters and what they call)
     3 listener  listener, admin/
@@ -36,6 +36,7 @@ LAYERS: list[tuple[str, int]] = [
     ("gateway.routes", 0),
     ("gateway.responses", 0),
     ("gateway.metrics", 0),
+    ("gateway.leanmetrics", 0),
     ("gateway.config", 0),
     ("gateway.logs", 0),
     ("gateway.tracing", 0),

@@ -124,7 +124,7 @@ def test_an_unlimited_key_is_estimated_only_when_the_response_reports_no_usage()
         return 42
 
     def prompt_tokens(name: str) -> float:
-        return stats.USAGE_TOKENS.labels(key=name, model="m", kind="prompt")._value.get()
+        return stats.USAGE_TOKENS.labels(key=name, model="m", kind="prompt").value
 
     with_usage = store.unlimited(ApiKeyConfig(name="lazy-a", hash=KEY), "m", estimate)
     store.settle(with_usage, SimpleNamespace(ok=True, prompt_tokens=7, completion_tokens=3))

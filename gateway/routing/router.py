@@ -22,6 +22,7 @@ import orjson
 
 from .. import metrics, tracing
 from ..errors import Refusal, model_not_found, sse_error_event
+from ..leanmetrics import HistogramChild
 from ..filters import RequestContext
 from ..upstream import Upstream, UpstreamFailure, UpstreamInvalid, UpstreamResponse, UpstreamTimeout
 from ..config.balancer import DEFAULT_PRIORITY
@@ -122,7 +123,7 @@ class Router:
         self.balancer = balancer
         self.upstream = upstream
         self.retries = retries
-        self._ttfb: dict[str, object] = {}
+        self._ttfb: dict[str, HistogramChild] = {}
         self.access = RouteAccess()  # extra routes (/generate, ...) per model; set from config by the Gateway
         self.disagg: Any = None  # routing.disagg.PDDispatcher when a model is served with serving: distserve
         self.queue: GatewayQueue | None = None  # late binding, priorities and shedding; set by the Gateway

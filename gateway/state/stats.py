@@ -8,17 +8,18 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge
 
+from ..leanmetrics import CounterChild, LeanCounter
 from ..metrics import REGISTRY
 
-USAGE_TOKENS = Counter("gateway_usage_tokens_total", "Tokens used, by key, model and kind (prompt or completion)", ["key", "model", "kind"], registry=REGISTRY)
-USAGE_REQUESTS = Counter("gateway_usage_requests_total", "Completed requests counted for usage, by key and model", ["key", "model", "estimated"], registry=REGISTRY)
+USAGE_TOKENS = LeanCounter("gateway_usage_tokens_total", "Tokens used, by key, model and kind (prompt or completion)", ["key", "model", "kind"], registry=REGISTRY)
+USAGE_REQUESTS = LeanCounter("gateway_usage_requests_total", "Completed requests counted for usage, by key and model", ["key", "model", "estimated"], registry=REGISTRY)
 LIMIT_REFUSALS = Counter("gateway_limit_refusals_total", "Requests refused by a per-key limit, by which limit", ["reason"], registry=REGISTRY)
 STATE_DEGRADED = Gauge("gateway_state_degraded", "1 while the shared store (Redis) is unreachable and this replica runs on its local fallback", registry=REGISTRY)
 STATE_ERRORS = Counter("gateway_state_errors_total", "Shared-store calls that failed or timed out, by operation", ["op"], registry=REGISTRY)
 SETTLES_DROPPED = Counter("gateway_state_settles_dropped_total", "Usage and budget settles dropped because Redis was unreachable longer than the bounded queue holds", registry=REGISTRY)
 KEY_RELOADS = Counter("gateway_key_reloads_total", "Key cache reloads, by source and result", ["source", "result"], registry=REGISTRY)
 
-_children: dict[tuple[str, str], tuple[object, object, object, object]] = {}
+_children: dict[tuple[str, str], tuple[CounterChild, CounterChild, CounterChild, CounterChild]] = {}
 
 
 def record_usage(key: str, model: str, prompt: int, completion: int, estimated: bool) -> None:
@@ -30,6 +31,6 @@ def record_usage(key: str, model: str, prompt: int, completion: int, estimated: 
             USAGE_REQUESTS.labels(key=key, model=model, estimated="false"),
             USAGE_REQUESTS.labels(key=key, model=model, estimated="true"),
         )
-    found[0].inc(prompt)  # type: ignore[attr-defined]
-    found[1].inc(completion)  # type: ignore[attr-defined]
-    found[3 if estimated else 2].inc()  # type: ignore[attr-defined]
+    found[0].inc(prompt)
+    found[1].inc(completion)
+    found[3 if estimated else 2].inc()
