@@ -104,7 +104,7 @@ async def test_settles_ride_on_the_next_admission_and_go_alone_only_when_none_co
     import asyncio
 
     store = _store(redis_server.url)
-    store.flush_every = 0.3  # longer than any gap between this loop's admissions
+    store.flush_every = store.flush_usage_every = 0.3  # longer than any gap between this loop's admissions
     await store.start()
     key = ApiKeyConfig(name="a", hash=hash_key(new_key()), rate_limit_tpm=10_000_000, max_concurrent=10_000)
     alone = 0
@@ -132,6 +132,34 @@ async def test_settles_ride_on_the_next_admission_and_go_alone_only_when_none_co
         rows = await store.usage(key.hash)
         assert [(r.requests, r.prompt_tokens, r.completion_tokens) for r in rows] == [(n, 3 * n, 2 * n)]
         assert await store.r.zcard(store._lease_key(key)) == 0
+    finally:
+        await store.close()
+
+
+async def test_a_settle_that_only_counts_waits_longer_to_go_alone_than_one_that_drops_a_lease(redis_server):
+    """Usage, tokens back and budget can wait (flush_usage_every: fewer writes of their own when
+    grants keep admissions off Redis); a lease to drop goes within flush_every, taking the rest along."""
+    import asyncio
+
+    store = _store(redis_server.url)
+    store.flush_every, store.flush_usage_every = 0.01, 30.0
+    await store.start()
+    counts = ApiKeyConfig(name="c", hash=hash_key(new_key()), rate_limit_tpm=10_000_000)
+    leased = ApiKeyConfig(name="l", hash=hash_key(new_key()), max_concurrent=10_000)
+    try:
+        adm = await store.admit(counts, MODEL, 5, 10)
+        store.settle(adm, _Outcome(3, 2))
+        await asyncio.sleep(0.2)
+        assert len(store._pending) == 1  # still waiting: nothing urgent
+        adm = await store.admit(leased, MODEL, 5, 10)  # this admission's write carried the first settle
+        assert not store._pending
+        store.settle(adm, _Outcome(3, 2))
+        for _ in range(100):
+            if not store._pending:
+                break
+            await asyncio.sleep(0.01)
+        assert not store._pending and await store.r.zcard(store._lease_key(leased)) == 0  # gone alone, in time
+        assert [r.requests for r in await store.usage()] == [1, 1]
     finally:
         await store.close()
 

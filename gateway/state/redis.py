@@ -66,7 +66,10 @@ T = TypeVar("T")
 MAX_PENDING = 100_000  # settles waiting for Redis; beyond it the oldest usage is dropped (and counted)
 DROP_WARN_EVERY = 10.0  # seconds between warnings about dropped settles (one per outage, then a reminder)
 GROUP = 256  # admissions of one key in one ADMIT call at most: bounds its arguments, run time and unpack()
-FLUSH_EVERY = 0.005  # seconds: the longest a settle waits for an admission write to ride on before it goes alone
+FLUSH_EVERY = 0.005  # seconds: the longest a settle that drops a lease waits for an admission write to ride on before it goes alone
+# ... and one that only counts (usage, tokens back, budget): with grants few admissions go to Redis to
+# carry settles, and each write of their own costs a syscall pair, a wake-up and a script run.
+FLUSH_USAGE_EVERY = 0.025
 DOWN_FOR = 1.0  # seconds a failure keeps requests on the local fallback before Redis is tried again
 
 # KEYS: rpm log, tpm bucket, lease set, budget counter
@@ -375,7 +378,9 @@ class RedisStore(StateStore):
         # The loop, kept: on 3.11 asyncio.get_running_loop() is a getpid() syscall each call (fork check).
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pending_since = 0.0  # when the oldest settle waiting (if any) arrived (time.monotonic)
+        self._lease_since = 0.0  # ... the oldest that drops a lease (0: none waits)
         self.flush_every = FLUSH_EVERY
+        self.flush_usage_every = FLUSH_USAGE_EVERY
         self.max_pending = MAX_PENDING
         self._dropped_warned = 0.0
         self._admits: list[_Admit] = []
@@ -937,7 +942,9 @@ class RedisStore(StateStore):
     def _queue_settle(self, settle: Settle) -> None:
         if not self._pending:
             self._pending_since = time.monotonic()
-        elif len(self._pending) >= self.max_pending:
+        if (settle.lease or settle.leases) and not self._lease_since:
+            self._lease_since = time.monotonic()
+        if len(self._pending) >= self.max_pending:
             self._pending.popleft()
             self._dropped(1)
         self._pending.append(settle)
@@ -957,6 +964,7 @@ class RedisStore(StateStore):
     def _take_settles(self) -> list[Settle]:
         batch = list(self._pending)
         self._pending.clear()
+        self._lease_since = 0.0
         return batch
 
     def _requeue(self, batch: list[Settle]) -> None:
@@ -969,6 +977,8 @@ class RedisStore(StateStore):
             self._dropped(len(batch) - room)
         if not self._pending:
             self._pending_since = time.monotonic()
+        if not self._lease_since and any(s.lease or s.leases for s in batch):
+            self._lease_since = time.monotonic()
         self._pending.extendleft(reversed(batch[len(batch) - room :]))
         self._wake.set()
 
@@ -1003,13 +1013,16 @@ class RedisStore(StateStore):
             await self._wake.wait()
             self._wake.clear()
             # Settles ride on the next admission write (_send_admits takes them all); only those that waited
-            # FLUSH_EVERY for none go on their own. Under load an admission always comes first: no write of
-            # their own (it was one every FLUSH_EVERY per process, each a syscall pair and a wake-up).
+            # FLUSH_EVERY (a lease to drop) or FLUSH_USAGE_EVERY for none go on their own. Without grants an
+            # admission under load always comes first: no write of their own.
             while self._pending and not self._closing:
-                wait = self._pending_since + self.flush_every - time.monotonic()
+                due = self._pending_since + self.flush_usage_every
+                if self._lease_since:
+                    due = min(due, self._lease_since + self.flush_every)
+                wait = due - time.monotonic()
                 if wait <= 0:
                     break
-                await asyncio.sleep(wait)
+                await asyncio.sleep(min(wait, self.flush_every))  # a lease to drop may come meanwhile
             if self._down():
                 await asyncio.sleep(max(0.0, self._down_until - time.monotonic()))
             try:
