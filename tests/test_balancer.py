@@ -762,6 +762,29 @@ def test_first_bytes_that_waited_for_a_slot_teach_the_batch_size(late_ttft, kv_u
     assert bal._model(a).slots == slots
 
 
+@pytest.mark.parametrize("steps_late, slots", [(2.5, 4), (1.5, None)])
+def test_a_first_byte_two_steps_past_its_prefill_is_late_enough(steps_late, slots):
+    """The same engine with 4 slots, r5 and r6 admitted ``steps_late`` decode steps after their prefill
+    and first step (as the balancer predicts them). Past 2 steps it is a wait for a slot: on sockets
+    (40-80 ms of relay and loop lag) a threshold of 3 steps taught the fast backend's slots 30 s late or
+    never. Within 2 steps it teaches nothing (one step's jitter, a step that also prefilled others)."""
+    clock = Clock()
+    bal = mel(clock)
+    (a,) = backends("a")
+    set_sigma(bal, a, SIGMA0)
+    rs = [_stream(bal, a, clock) for _ in range(6)]
+    for r in rs[:4]:
+        bal.first_byte(a, r, 0.04)
+    for done, late in ((rs[0], rs[4]), (rs[1], rs[5])):
+        clock.t += 1.0
+        bal.completed(a, done, Outcome(status=200, ok=True, completion_tokens=50))
+        clock.t += 0.5
+        sigma = bal.sigma(a, bal._fleet)
+        step = sigma * (1.0 + bal.gamma * bal._model(a).batch())
+        bal.first_byte(a, late, 2.0 * bal.rho * sigma * late.prefill_ahead + (1.0 + steps_late) * step)
+    assert bal._model(a).slots == slots
+
+
 @pytest.mark.parametrize("blocked, slots", [(0.0, 4), (0.5, None)])
 async def test_first_bytes_the_gateway_itself_made_late_teach_no_slots(blocked, slots):
     """The same engine with 4 slots, its late first bytes 1 s after their prefill. When the gateway's own

@@ -430,6 +430,8 @@ def replay(policy: str, speeds: list[float], trace, params: SimParams, cfg: Bala
         "refusal_p99": shed[min(len(shed) - 1, int(0.99 * (len(shed) - 1) + 0.5))] if shed else 0.0,
         "hit_rate": sum(e.cached_tokens for e in engines) / prompt if prompt else 0.0,
         "share": "/".join(f"{100 * e.prompt_tokens / prompt:.0f}" for e in engines) if prompt else "",
+        # Requests per engine, as the socket bench's "share %" counts them (the prompt-token share above is not comparable to it).
+        "req_share": _req_share([e for e, _, _, _ in served.values()], len(engines)),  # all of them, warm-up included, as there
         "engines": "  ".join(map(repr, engines)),
         "learnt": _learnt(bals[0], fleets[0]),
         "requests": [{"i": i, "backend": served[i][0], "latency": results[i][0], "ttft": results[i][1], "cached": served[i][1],
@@ -449,6 +451,11 @@ def _learnt(bal: Balancer, backends: list[Backend]) -> str:
 
 
 PRIORITIES = {"ui": PRIORITY_NAMES["interactive"], "bulk": PRIORITY_NAMES["batch"]}  # the mixed run's keys
+
+
+def _req_share(engine_of: list[int], engines: int) -> str:
+    """Each engine's share of the requests, in %, as "43/23/22/12"."""
+    return "/".join(f"{100 * engine_of.count(e) / len(engine_of):.0f}" for e in range(engines)) if engine_of else ""
 
 
 def _p99(xs: list[float]) -> float:
@@ -514,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
                     label = (policy if relay == 0 else f"{policy} relay {relay:g}") + (f" rng +{tie}" if tie else "")
                     print(f"  {label:<36} lat mean {r['lat_mean']:6.2f} p50 {r['lat_p50']:6.2f} p99 {r['lat_p99']:6.2f} "
                           f"({100 * (r['lat_p99'] / base['lat_p99'] - 1):+4.0f}%)  ttft mean {r['ttft_mean']:.3f} p50 {r['ttft_p50']:.3f} "
-                          f"p99 {r['ttft_p99']:.3f}  hit {r['hit_rate']:.1%}  refused {r['refused']} (p99 {r['refusal_p99']:.2f}s)  prompt share {r['share']}")
+                          f"p99 {r['ttft_p99']:.3f}  hit {r['hit_rate']:.1%}  refused {r['refused']} (p99 {r['refusal_p99']:.2f}s)  prompt share {r['share']}  requests {r['req_share']}")
                     if args.verbose:
                         print(f"    per backend: step s (steps) mean queue wait s: {r['engines']}; {r['learnt']}")
             if args.mean:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 from pathlib import Path
 
 from gateway.app import Gateway
@@ -21,6 +22,7 @@ class BenchGateway(Gateway):
     def __init__(self, config):
         super().__init__(config)
         self.state_path: Path | None = None
+        self.started = time.monotonic()  # the balancer's clock: when its slots were learnt, from here
 
     def describe(self) -> dict:
         """The balancer's learnt state."""
@@ -32,6 +34,9 @@ class BenchGateway(Gateway):
             out["sigma"] = {b.id: bal.sigma(b, fleet) for b in self.pool}
             out["kv_capacity"] = {b.id: bal.models(b).kv_capacity for b in self.pool}
             out["slots"] = {b.id: bal.models(b).slots for b in self.pool}
+            # Seconds from the gateway's start (the trace starts a second or two later); None: not learnt.
+            out["slots_learnt_at"] = {b.id: round(bal.models(b).slots_at - self.started, 1) if bal.models(b).slots_at else None for b in self.pool}
+            out["lag_vetoes"] = bal.lag_vetoes  # late first bytes set aside as the gateway's own lag
             out["sizes"] = {m: {"fill": s.fill, "out_avg": s.out_avg, "token_ratio": s.token_ratio} for m, s in bal.sizes.items()}
         if self.scraper is not None:
             out["signals"] = {i: repr(sig) for i, sig in self.scraper.signals.items()}

@@ -22,7 +22,7 @@ from .sizes import Sizes, SizesByModel
 class BackendModel:
     """What the expected-latency policy knows about one backend."""
 
-    __slots__ = ("full_at", "done", "inflight", "area", "area_t", "w", "sn", "sy", "fit", "ext", "remote", "remote_max", "if_max", "slots", "kv", "kv_capacity", "prefixes", "signals", "prefilling")
+    __slots__ = ("full_at", "done", "inflight", "area", "area_t", "w", "sn", "sy", "fit", "ext", "remote", "remote_max", "if_max", "slots", "kv", "kv_capacity", "prefixes", "signals", "prefilling", "slots_at")
 
     def __init__(self, now: float, prefixes: PrefixMemory):
         self.inflight: dict[int, RequestInfo] = {}  # requests this gateway has on it
@@ -41,6 +41,7 @@ class BackendModel:
         self.if_max = 0  # most of ours in flight since the last scrape
         self.slots: int | None = None  # the engine's batch slots, learnt when /metrics shows a queue or a first byte comes late
         self.full_at = 0  # sequences on the backend at the last sign of a full batch (a slot is learnt when two agree)
+        self.slots_at = 0.0  # when the slots were learnt (diagnostics: the bench prints it)
         self.done: list[float] = []  # when the last few of ours completed
         self.kv = 0.0  # KV tokens our in-flight requests will hold (prompt + output each)
         self.prefilling = 0.0  # uncached prompt tokens of ours in flight with no first byte seen: kept, not summed per dispatch
@@ -158,8 +159,13 @@ class ExpectedLatencyBalancer(Balancer):
     FIT_DECAY = 0.995  # γ follows the last ~200 completions of each backend
     GAMMA_PRIOR = 50.0  # the prior γ weighs as much as n̄ spread by ±1.6 over 20 completions
     MIN_RAMP = 0.1
-    LATE_STEPS = 3  # a first byte this many decode steps past twice its predicted prefill waited for a slot
-    LAG_MARGIN = 4.0  # ... past this many times the gateway's own event-loop lag, too (a first byte crosses a few loop turns)
+    # A first byte this many decode steps past twice its predicted prefill waited for a slot, and past this many
+    # times the gateway's own event-loop lag (a first byte crosses a couple of loop turns). Were 3 and 4: on sockets
+    # the default row then learnt no slots, or 30 s late, and queued past the fast backend's batch (TTFT p50 0.205
+    # against 0.176 in the replay; the replay with a constant 40-80 ms lag does the same). Two counts that agree still
+    # set the slots; 3 x the lag still ignores a saturated gateway's lateness (bench/routing/README.md, ninth pass).
+    LATE_STEPS = 2
+    LAG_MARGIN = 3.0
     MAX_LOAD = 0.9  # the slot load u at which others_load's u/(1-u) stops growing (9x)
     # The prefix memory keeps what fits in this many times the KV its sequences leave free. Above 1 it leans
     # to affinity: a prefix near the end of the engine's LRU still draws its next request back to the backend
@@ -181,6 +187,7 @@ class ExpectedLatencyBalancer(Balancer):
         self.affinity_picks = 0  # picks where affinity overrode the minimum
         self.picks = 0
         self.lag = LoopLag()  # the gateway's own delay, which a late first byte must exceed to teach slots
+        self.lag_vetoes = 0  # late first bytes not taken as a full batch because the gateway's loop ran about as late (diagnostics)
         # (req, candidates, fleet σ, estimates) of the last predict, for the pick that follows it in the same
         # admission (the queue predicts, then binds); dropped by any event that changes what the model knows.
         self._memo: tuple[RequestInfo, Sequence[Backend], float, list[tuple[Prediction, int]]] | None = None
@@ -581,8 +588,12 @@ class ExpectedLatencyBalancer(Balancer):
         # 0.77-0.83 to 1.27-2.22 s (bench/routing/README.md, seventh pass).
         step = sigma * (1.0 + self.gamma * m.batch())
         self.lag.arm()
-        if ttft - 2.0 * self.rho * sigma * req.prefill_ahead - step - self.LAG_MARGIN * self.lag.lag() <= self.LATE_STEPS * step:
-            return  # not late, or no later than the gateway's own event loop made it
+        late = ttft - 2.0 * self.rho * sigma * req.prefill_ahead - step - self.LATE_STEPS * step
+        if late <= 0.0:
+            return  # not late
+        if late <= self.LAG_MARGIN * self.lag.lag():
+            self.lag_vetoes += 1
+            return  # no later than the gateway's own event loop made it
         if m.kv_capacity is not None and m.kv >= 0.8 * m.kv_capacity or m.signals is not None and m.signals.kv_usage >= 0.8:
             return
         if not all(j.stream for j in m.inflight.values()):
@@ -592,6 +603,7 @@ class ExpectedLatencyBalancer(Balancer):
         batch += int(ext) + sum(1 for t in m.done if now - t < 0.5 * step)
         if batch == m.full_at:
             m.slots = batch
+            m.slots_at = now
         m.full_at = batch
 
     def completed(self, backend: Backend, req: RequestInfo, outcome: Outcome) -> None:
@@ -685,7 +697,10 @@ class ExpectedLatencyBalancer(Balancer):
             # gauges are up to 10 s old, and counting the replicas' requests from them (instead of
             # the exchange's fresh count) held a burst's load on a backend for seconds after it left.
             m.ext = max(0.0, seen - m.if_max - m.remote_max)
+            slots = m.slots
             m.slots = learn_slots(m.slots, signals)
+            if slots is None and m.slots is not None:
+                m.slots_at = self.clock()
             if signals.kv_usage >= 0.2 and m.kv + backend.remote_kv > 0:
                 # The KV the admitted requests hold (ours, and the other replicas' as they report it) over
                 # the usage the gauge shows: without theirs, N replicas each learnt about 1/N of the cache.
