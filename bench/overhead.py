@@ -11,6 +11,7 @@ Targets, all against the same very fast fake backend (bench/fake_backend.py):
   gateway+memory    the bench key with limits (rpm, tpm, concurrency): in-memory state store
   gateway+redis     the same limits in Redis (redis-server started by the bench): one round trip each
   gateway+redis-w2  `gateway serve --workers 2` with Redis (cpu/req sums both workers)
+  gateway+redis-w2pin  the same with --pin-workers (each worker on its own CPU)
   smg               the SGLang model gateway (Rust), when installed in .venv-smg (see below)
 
 The state rows print Redis scripts per request (from INFO commandstats) and Redis's CPU per request
@@ -79,7 +80,10 @@ def wait_http(url: str, timeout: float = 30.0, headers: dict[str, str] | None = 
 
 @contextlib.contextmanager
 def process(argv: list[str], **kw):
-    proc = subprocess.Popen(argv, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **kw)
+    # BENCH_LOG_DIR=DIR keeps each process's output (to read why a row has errors); else it is dropped
+    logs = os.environ.get("BENCH_LOG_DIR")
+    out = open(Path(logs) / f"{Path(argv[0]).name}-{'-'.join(a.rsplit('/', 1)[-1] for a in argv[1:4])}-{time.monotonic_ns()}.log", "wb") if logs else subprocess.DEVNULL
+    proc = subprocess.Popen(argv, cwd=ROOT, start_new_session=True, stdout=out, stderr=subprocess.STDOUT if logs else subprocess.DEVNULL, **kw)
     try:
         yield proc
     finally:
@@ -277,7 +281,7 @@ def start_target(target: str, stack: contextlib.ExitStack, args: argparse.Namesp
         state = {} if variant == "memory" else {"redis_url": f"redis://127.0.0.1:{redis_port}/0", "prefix": "bench"}
         cfg = tmp / f"state-{variant}.yaml"
         gateway_config(cfg, backend_port, hash_key(key), "native", state=state)
-        workers = ["--workers", "2"] if variant.endswith("-w2") else []
+        workers = ["--workers", "2"] if variant.endswith("-w2") else ["--workers", "2", "--pin-workers"] if variant.endswith("-w2pin") else []
         pid = stack.enter_context(process([sys.executable, "-m", "gateway", "serve", "--config", str(cfg), "--port", str(port), *workers])).pid
         for _ in range(20):  # fresh connections reach every worker: all of them must be up
             wait_http(f"http://127.0.0.1:{port}/ready", timeout=60)

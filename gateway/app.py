@@ -53,6 +53,7 @@ class Gateway:
         self.cluster: Any = None
         self.follow_backends = False  # a worker that learns launched backends from the launching one (gateway/workers.py)
         self.internal_key: str | None = None  # the launched api_servers' key, from the --workers parent (never from Redis)
+        self.launch_cpus: tuple[int, ...] | None = None  # the api_servers' CPUs when this worker is pinned (--pin-workers)
         self.body = BodyPolicy(config.limits)
         self.media = MediaPolicy(config.media)
         self.local = LocalRoutes(self.pool)
@@ -171,7 +172,7 @@ class Gateway:
             from .launcher import Launcher  # imported lazily: a gateway with only remote backends needs none of it
 
             log_dir = os.environ.get("LMDEPLOY_GATEWAY_LOG_DIR") or Path(self.config.state_dir) / "logs"
-            self.launcher = Launcher(self.config.launch, self.pool, log_dir=log_dir, backend_key=self.internal_key)
+            self.launcher = Launcher(self.config.launch, self.pool, log_dir=log_dir, backend_key=self.internal_key, cpus=self.launch_cpus)
             self.local.launcher = self.launcher
             await self.launcher.start()
         await self.pool.check_all()

@@ -49,6 +49,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cfg = dataclasses.replace(cfg, state_dir=args.state_dir)
     host = args.host or cfg.server.host
     port = args.port if args.port is not None else cfg.server.port
+    if args.pin_workers and args.workers == 1 and args.worker_index is None:
+        from .workers import refusal
+
+        print(f"error: {refusal(cfg, 1, pin=True)}", file=sys.stderr)
+        return 2
     if args.workers != 1 and args.worker_index is None:  # the parent of --workers N: supervises only
         from .workers import supervise
 
@@ -82,6 +87,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     gateway = Gateway(cfg)
     gateway.follow_backends = bool(args.worker_index)  # workers > 0 learn launched backends from worker 0
     gateway.internal_key = internal_key
+    if args.pin_workers and args.worker_index is not None:
+        from .workers import pin_worker
+
+        gateway.launch_cpus = pin_worker(args.worker_index)
     return server.run(gateway.asgi(), cfg.server, drain=cfg.timeouts.drain, host=host, port=port, sockets=sockets)
 
 
@@ -187,6 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=None, help="override server.port")
     p.add_argument("--state-dir", default=None, help="override state_dir: where launched instances' logs go (must be writable)")
     p.add_argument("--workers", type=int, default=1, help="processes serving the port (needs state.redis_url when more than 1)")
+    p.add_argument("--pin-workers", action="store_true",
+                   help="with --workers N: run each worker on its own CPU (worker i on the i-th the gateway may use); launched api_servers keep all of them")
     p.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--internal-key-fd", type=int, default=None, help=argparse.SUPPRESS)  # a pipe from the --workers parent
     p.set_defaults(func=cmd_serve)

@@ -151,3 +151,55 @@ def test_the_internal_key_reaches_the_workers_from_the_parent_and_never_redis(ke
     finally:
         r.close()
         _stop(proc)
+
+
+def _cpus(pid: int) -> set[int]:
+    return os.sched_getaffinity(pid)
+
+
+def test_pin_workers_needs_several_workers(keys, redis_server, tmp_path):
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(yaml.safe_dump({"auth": {"keys": keys.entries}, "backends": [{"url": "http://127.0.0.1:9"}],
+                                   "state": {"redis_url": redis_server.url}}))
+    proc = _serve(cfg, "--pin-workers", "--port", str(free_port()))
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and b"--pin-workers" in err and b"--workers N with N > 1" in err
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning needs 2 CPUs to tell workers apart")
+def test_pinned_workers_run_on_one_cpu_each_and_their_api_servers_on_all(keys, redis_server, tmp_path, monkeypatch):
+    monkeypatch.setenv("LMDEPLOY_GATEWAY_LOG_DIR", str(tmp_path / "logs"))
+    port = free_port()
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "auth": {"keys": keys.entries},
+        "launch": {"model": "sim-model", "model_name": "chat", "engine": "sim", "instances": 1, "health_interval": 0.2,
+                   "sim": {"ttft": 0, "tpot": 0}},
+        "health": {"interval": 0.2, "timeout": 1.0},
+        "server": {"port": port},
+        "state": {"redis_url": redis_server.url, "prefix": "p" + os.urandom(4).hex()},
+    }))
+    mine = sorted(_cpus(0))
+    proc = _serve(cfg, "--workers", "2", "--pin-workers")
+    started: set[int] = set()
+    try:
+        def served() -> bool:
+            try:
+                with httpx.Client(timeout=10) as c:
+                    r = c.post(f"http://127.0.0.1:{port}/v1/chat/completions", headers={"authorization": f"Bearer {keys.alice}"},
+                               json={"model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+                return r.status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(served, 90, 0.3, "the pinned workers serving the launched backend")
+        started = descendants(proc.pid)
+        workers = sorted(p for p in started if b"--worker-index" in open(f"/proc/{p}/cmdline", "rb").read())
+        assert len(workers) == 2
+        assert [_cpus(p) for p in workers] == [{mine[0]}, {mine[1]}] or [_cpus(p) for p in workers] == [{mine[1]}, {mine[0]}]
+        servers = [p for p in started if b"gateway.sim" in open(f"/proc/{p}/cmdline", "rb").read()]
+        assert servers and all(_cpus(p) == set(mine) for p in servers)  # the api_server is not on its launcher's one core
+        assert _cpus(proc.pid) == set(mine)  # the supervisor is not pinned either
+    finally:
+        _stop(proc)
+    wait_until(lambda: not any(alive(p) for p in started), 20, 0.1, "every worker and api_server gone")

@@ -95,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gateway.launcher.guard")
     parser.add_argument("--grace", type=float, default=10.0)
     parser.add_argument("--parent", type=int, default=None, help="the launcher's pid; exit if it is already gone")
+    # A launcher pinned to one CPU (``gateway serve --workers N --pin-workers``) gives its api_servers
+    # the CPUs it had before: they must not share the worker's one core.
+    parser.add_argument("--cpus", default=None, help="comma-separated CPUs the api_server may run on")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -115,6 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     set_parent_death_signal(PARENT_DIED, launcher)  # before anything is started: nothing can be orphaned
     prctl(PR_SET_CHILD_SUBREAPER, 1)
 
+    if args.cpus:
+        try:
+            os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
+        except (OSError, ValueError) as exc:  # the api_server still runs, on the launcher's CPUs
+            os.write(2, f"guard: cannot set CPUs {args.cpus!r}: {exc}\n".encode())
     me = os.getpid()
     pid = os.fork()
     if pid == 0:  # the api_server: dies with the guard whatever happens to it

@@ -51,11 +51,13 @@ def port_is_free(port: int) -> bool:
 
 
 async def spawn(
-    argv: Sequence[str], env: dict[str, str], log_path: Path, *, grace: float = 10.0, pass_fds: Sequence[int] = ()
+    argv: Sequence[str], env: dict[str, str], log_path: Path, *, grace: float = 10.0, pass_fds: Sequence[int] = (),
+    cpus: Sequence[int] | None = None,
 ) -> asyncio.subprocess.Process:
     """Start ``argv`` under the guard, in a new session, with stdout and stderr appended to log_path.
 
     ``pass_fds`` (the key pipe) are inherited by the guard and, through its exec, by the server.
+    ``cpus``: the CPUs the server runs on (the guard sets them), when not this process's own.
     """
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)  # the api_server may log its key
     try:
@@ -65,6 +67,7 @@ async def spawn(
             f"{grace:g}",
             "--parent",
             str(os.getpid()),
+            *(("--cpus", ",".join(str(c) for c in cpus)) if cpus else ()),
             "--",
             *argv,
             stdin=subprocess.DEVNULL,

@@ -115,11 +115,13 @@ class Launcher:
         progress: TextIO | None = None,
         progress_tty: bool | None = None,
         backend_key: str | None = None,
+        cpus: Sequence[int] | None = None,
     ):
         self.groups = tuple(groups)
         self.pool = pool
         self.log_dir = Path(log_dir if log_dir is not None else os.environ.get("LMDEPLOY_GATEWAY_LOG_DIR") or ".gateway/logs")
         self.stop_grace = stop_grace
+        self.cpus = cpus  # the api_servers' CPUs when this process is pinned to fewer (--pin-workers)
         self.poll_interval = poll_interval
         self._env = env
         self._devices = devices or (lambda device: probe_devices(device, env))
@@ -321,7 +323,7 @@ class Launcher:
                 return "spawn_error", str(exc)
             shown = redact(instance_argv(inst.plan, inst.port, self.backend_key), self.backend_key)
             inst.log.begin(f"start {inst.restarts + 1}: " + shlex.join(shown) + " (key from a pipe, through gateway.launcher.shim)")
-            spawning = asyncio.ensure_future(process.spawn(argv, env, inst.log.path, grace=self.stop_grace, pass_fds=(key_fd,)))
+            spawning = asyncio.ensure_future(process.spawn(argv, env, inst.log.path, grace=self.stop_grace, pass_fds=(key_fd,), cpus=self.cpus))
             try:
                 inst.proc = await asyncio.shield(spawning)
             except asyncio.CancelledError:
