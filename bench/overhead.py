@@ -278,7 +278,8 @@ def start_target(target: str, stack: contextlib.ExitStack, args: argparse.Namesp
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     if target.startswith("gateway+"):
         variant = target[len("gateway+"):]
-        state = {} if variant == "memory" else {"redis_url": f"redis://127.0.0.1:{redis_port}/0", "prefix": "bench"}
+        # a prefix per target: targets sharing one would be replicas of each other (one's load seen by the other's balancer)
+        state = {} if variant == "memory" else {"redis_url": f"redis://127.0.0.1:{redis_port}/0", "prefix": f"bench-{variant}"}
         cfg = tmp / f"state-{variant}.yaml"
         gateway_config(cfg, backend_port, hash_key(key), "native", state=state)
         workers = ["--workers", "2"] if variant.endswith("-w2") else ["--workers", "2", "--pin-workers"] if variant.endswith("-w2pin") else []

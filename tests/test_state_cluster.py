@@ -9,6 +9,8 @@ import time
 import httpx
 import pytest
 
+from gateway.config import parse_config
+from gateway.state.redis import RedisStore
 from support import GatewayServer, Sim, gateway_config, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -308,3 +310,21 @@ def test_followers_learn_launched_backends_with_their_role_and_slots(redis_serve
             await s1.r.aclose()
 
     asyncio.run(run())
+
+
+async def test_a_replicas_load_entry_outlives_its_last_exchange_by_50_exchanges_not_a_lease(redis_server):
+    # A replica that stops exchanging (stopped, stalled) must not keep its last in-flight counts on the
+    # others' books for lease_ttl (30 s) after its requests ended: its entry lives 50 exchanges, at least 1 s.
+    cfg = parse_config({"auth": {"disabled": True}, "backends": [{"url": "http://127.0.0.1:9"}],
+                        "state": {"redis_url": redis_server.url, "prefix": "g" + secrets.token_hex(4), "timeout": 1.0,
+                                  "lease_ttl": 30, "load_interval": 0.02}})
+    store = RedisStore(cfg)
+    await store._load_scripts()
+    store.local_load = lambda: {"remote-0": 32}
+    try:
+        await store.exchange_load()
+        entry = f"{store.cfg.prefix}:load:{store.replica}"
+        assert await store.r.hgetall(entry) == {b"remote-0": b"32"}
+        assert 0 < await store.r.pttl(entry) <= 1_000
+    finally:
+        await store.close()

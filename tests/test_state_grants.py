@@ -219,3 +219,4 @@ async def test_a_grant_is_renewed_before_it_runs_out(redis_server):
         assert first.ended and store._grants[key.hash] is not first
     finally:
         await store.close()
+

@@ -366,6 +366,10 @@ class RedisStore(StateStore):
         self._key_names: dict[str, tuple[bytes, bytes, bytes, str]] = {}
         self._usage_keys: dict[int, bytes] = {}  # this hour's usage hash name
         self._lease_ttl_ms = int(cfg.lease_ttl * 1000)
+        # A replica's load entry lives 50 exchanges (at least 1 s), not a lease's ttl: one that stopped
+        # exchanging (stopped, stalled, paused) would otherwise keep its last in-flight counts on every
+        # other replica's books for lease_ttl (30 s) after the backends finished those requests.
+        self._load_ttl_ms = int(min(cfg.lease_ttl, max(1.0, 50 * cfg.load_interval)) * 1000)
         self._admit = self.r.register_script(ADMIT)
         self._settle_many = self.r.register_script(SETTLE_MANY)
         self._renew = self.r.register_script(RENEW)
@@ -1093,7 +1097,7 @@ class RedisStore(StateStore):
         await self._exchange(publish)
 
     async def _exchange(self, publish: tuple[str, bytes] | None) -> None:
-        args: list[Any] = [int(self.cfg.lease_ttl * 1000), self.replica, f"{self._p}:load:"]
+        args: list[Any] = [self._load_ttl_ms, self.replica, f"{self._p}:load:"]
         for field, n in self.local_load().items():
             args += (field, n)
         packed = self._pack([(self._exchange_script, [f"{self._p}:load:{self.replica}".encode(), f"{self._p}:replicas".encode()], args)])
