@@ -488,19 +488,44 @@ def main(argv: list[str] | None = None) -> int:
     params = SimParams()
     cfg = BalancerConfig(scrape_interval=2.0)
     if args.mixed:
+        relays = [float(x) for x in args.relay.split(",")]
         for fleet in args.fleets.split(","):
             speeds = FLEETS[fleet]
             cap = fleet_capacity(params, speeds, 7, "m", args.shared)
             for load in (float(x) for x in args.loads.split(",")):
+                # policy: [(change %, ui TTFTs alone, ui TTFTs beside the flood, those of the first third, bulk done)] per seed and relay
+                mixed: dict[str, list[tuple[float, list[float], list[float], list[float], list[float], int]]] = {}
                 for seed in (int(s) for s in args.seeds.split(",")):
                     alone = mixed_trace(seed, interactive_rate=load * cap, batch_rate=0.0, duration=args.duration, model="m")
                     flood = mixed_trace(seed, interactive_rate=load * cap, batch_rate=cap, duration=args.duration, model="m")
                     print(f"\nmixed {fleet}: interactive at {load:.0%}, alone and with a batch flood at 100%; seed {seed}")
-                    for policy in args.policies.split(","):
-                        a = replay(policy, speeds, alone, params, cfg, seed)["by_key"]["ui"]
-                        f = replay(policy, speeds, flood, params, cfg, seed)["by_key"]
-                        print(f"  {policy:<44} ui ttft p99 {a['ttft_p99']:.3f} -> {f['ui']['ttft_p99']:.3f} ({100 * (f['ui']['ttft_p99'] / a['ttft_p99'] - 1):+.0f}%)"
+                    for policy, relay in itertools.product(args.policies.split(","), relays):
+                        ra = replay(policy, speeds, alone, params, cfg, seed, relay=relay)
+                        rf = replay(policy, speeds, flood, params, cfg, seed, relay=relay)
+                        a, f = ra["by_key"]["ui"], rf["by_key"]
+                        change = 100 * (f["ui"]["ttft_p99"] / a["ttft_p99"] - 1)
+                        label = policy if relay == 0 else f"{policy} relay {relay:g}"
+                        print(f"  {label:<44} ui ttft p99 {a['ttft_p99']:.3f} -> {f['ui']['ttft_p99']:.3f} ({change:+.0f}%)"
                               f"  ui lat p99 {a['lat_p99']:.2f} -> {f['ui']['lat_p99']:.2f}  ui shed {f['ui']['refused']}  bulk shed {f['bulk']['refused']}  bulk lat p99 {f['bulk']['lat_p99']:.2f}  bulk done {f['bulk']['done']}")
+                        if args.verbose:
+                            print(f"    flood, per backend: step s (steps) mean queue wait s: {rf['engines']}; {rf['learnt']}")
+                        # The counted ui requests' TTFTs (the first 10 % of the trace's requests left out, as by_key does),
+                        # and those beside the flood in the first third of the trace (the warm-up, before much is learnt).
+                        ua = [x["ttft"] for x in ra["requests"] if x["i"] >= int(len(alone.items) * 0.1) and alone.items[x["i"]].key == "ui"]
+                        uf = [(flood.items[x["i"]].at, x["ttft"]) for x in rf["requests"] if x["i"] >= int(len(flood.items) * 0.1) and flood.items[x["i"]].key == "ui"]
+                        mixed.setdefault(policy, []).append((change, ua, [t for _, t in uf], [t for at, t in uf if at < args.duration / 3],
+                                                             [t for at, t in uf if at >= args.duration / 3], f["bulk"]["done"]))
+                if args.mean:
+                    print(f"\nmixed {fleet} {load:.0%}, over seeds {args.seeds}" + (f" and relays {args.relay} s" if "," in args.relay else "")
+                          + ": ui TTFT p99 change beside the flood (mean, max, runs over +25 %); the p99 alone -> beside the flood (means over the runs); pooled ui TTFT p99 of all runs alone ->"
+                          " beside the flood, and beside it in the first / last two thirds of each trace; bulk done (sum)")
+                    for policy, rs in mixed.items():
+                        ch = [r[0] for r in rs]
+                        pa, pf = statistics.fmean(_p99(sorted(r[1])) for r in rs), statistics.fmean(_p99(sorted(r[2])) for r in rs)
+                        pool = [sorted(itertools.chain.from_iterable(r[k] for r in rs)) for k in (1, 2, 3, 4)]
+                        print(f"  {policy:<44} mean {statistics.fmean(ch):+5.1f}%  max {max(ch):+4.0f}%  over 25 % {sum(c > 25 for c in ch):2d}/{len(ch)}"
+                              f"  p99 {pa:.3f} -> {pf:.3f}  pooled {_p99(pool[0]):.3f} -> {_p99(pool[1]):.3f} ({100 * (_p99(pool[1]) / _p99(pool[0]) - 1):+.0f}%)"
+                              f"  first third {_p99(pool[2]):.3f} rest {_p99(pool[3]):.3f}  bulk done {sum(r[5] for r in rs)}")
         return 0
     for fleet in args.fleets.split(","):
         speeds = FLEETS[fleet]
