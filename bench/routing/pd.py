@@ -193,13 +193,17 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def _mixed_run(gpus: int, max_batch_size: int, balancer: dict | None, trace: Trace, tmp: Path) -> dict:
-    """One trace through a fresh PD gateway: the interactive TTFTs after warm-up, and the batch key's counts."""
+def _mixed_run(gpus: int, max_batch_size: int, balancer: dict | None, trace: Trace, tmp: Path, dump: Path | None = None) -> dict:
+    """One trace through a fresh PD gateway: the interactive TTFTs after warm-up, and the batch key's counts.
+    dump: a JSON file for every request's arrival, key and TTFT (which ones are slow, run after run)."""
     gw = GatewayWithSims(tmp, "pd", gpus, max_batch_size, keys=KEYS, balancer=balancer)
     try:
         samples = asyncio.run(run_trace(gw.url, trace))
     finally:
         gw.stop()
+    if dump is not None:
+        dump.parent.mkdir(parents=True, exist_ok=True)
+        dump.write_bytes(orjson.dumps([{"at": at, "key": s.key, "ttft": s.ttft, "status": s.status} for at, s in zip(trace.at, samples)]))
     ui = [s for s in samples if s.key == "ui"]
     ui = ui[len(ui) // 10:]  # warm-up
     bulk = [s for s in samples if s.key == "bulk"]
@@ -245,7 +249,8 @@ def run_mixed(args: argparse.Namespace, duration: float) -> int:
             }
             for i in range(args.repeat):
                 for name in args.phases:
-                    r = _mixed_run(args.gpus, args.max_batch_size, balancer, traces[name], Path(tmp))
+                    dump = args.dump / f"seed{seed}-run{i + 1}-{name}.json" if args.dump else None
+                    r = _mixed_run(args.gpus, args.max_batch_size, balancer, traces[name], Path(tmp), dump)
                     runs.append((seed, i, name, r))
                     print(f"  seed {seed} run {i + 1} {name}: " + str({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items() if k != "ttfts"}), flush=True)
     print(f"\n{'seed':>5}{'run':>4}{'phase':>7}{'ui n':>6}{'ui p50':>8}{'ui p99':>8}{'ui shed':>8}{'ui err':>7}{'bulk done':>10}{'bulk ttft p50':>14}   seconds")
@@ -282,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=1, help="--mixed: runs per seed and phase (a fresh gateway each), reported with mean, range and pooled p99")
     ap.add_argument("--seeds", type=int, nargs="+", default=None, help="--mixed: several seeds, their runs pooled (default: --seed)")
     ap.add_argument("--phases", nargs="+", choices=("alone", "flood"), default=["alone", "flood"], help="--mixed: which runs (e.g. flood only to compare two settings)")
+    ap.add_argument("--dump", type=Path, default=None, help="--mixed: write every request's arrival, key and TTFT per run to this folder")
     ap.add_argument("--knobs", default="", help="--mixed: balancer settings, field=value+queue.field=value (as bench.routing's --policies)")
     args = ap.parse_args(argv)
     duration = args.duration or (20.0 if args.quick else 30.0 if args.mixed else 60.0)
