@@ -250,7 +250,6 @@ def test_priority_classes_and_waits_are_configured_by_name_or_number():
         ({"balancer": {"queue": {"keep_share": -1}}}, "balancer.queue.keep_share: "),
         ({"balancer": {"queue": {"keep_share": "most"}}}, "balancer.queue.keep_share: "),
         ({"balancer": {"queue": {"pd_keep_share": -1}}}, "balancer.queue.pd_keep_share: "),
-        ({"balancer": {"queue": {"pd_burst_hold": -1}}}, "balancer.queue.pd_burst_hold: "),
     ],
 )
 def test_bad_queue_config_is_refused_with_a_clear_message(section, message):
@@ -563,53 +562,3 @@ def test_a_backend_the_policy_says_starts_at_once_is_predicted_to_start_with_no_
         if quick:
             assert bal.predict([b], r)[0].wait == 0
     assert verdicts == {True, False}  # both ways were exercised
-
-
-# -- disaggregated models: an interactive burst on the kept prefill instance ----------------------
-
-
-@pytest.mark.parametrize("burst_hold, held", [(0.2, True), (0.0, False)])
-def test_batch_prefills_wait_while_the_kept_prefill_instance_serves_an_interactive_burst(burst_hold, held):
-    from gateway.config.core import HealthConfig
-    from gateway.config.disagg import ModelServing
-    from gateway.routing.disagg import PDDispatcher
-    from gateway.routing.pd_policy import PDRequest
-    from gateway.routing.pool import BackendPool
-
-    clock = Clock()
-    pool = BackendPool(HealthConfig())
-    p0, p1 = (Backend(id=f"prefill{i}", url=f"http://p{i}.invalid", role="prefill", models=frozenset({"m"}), healthy=True) for i in range(2))
-    d0 = Backend(id="decode0", url="http://d0.invalid", role="decode", models=frozenset({"m"}), healthy=True)
-    for b in (p0, p1, d0):
-        pool.add(b)
-    disp = PDDispatcher(pool, {"m": ModelServing("m", serving="distserve")})
-    adm = disp.enable_queue(QueueConfig(pd_keep_share=1.0, pd_burst_hold=burst_hold), clock).admission
-
-    def ui(tokens: int = 2000) -> PDRequest:
-        return PDRequest(model="m", prompt_tokens=tokens, prompt=b"ui", decode_tokens=tokens + 16)
-
-    pool.set_draining(p1, True)  # the interactive requests so far went to p0: it is kept for them
-    for _ in range(20):
-        r = ui()
-        assert adm.admit(r, "ui", INTERACTIVE) is p0
-        disp.picker.completed(p0, r, Outcome(status=200, ok=True, ttft=0.1))  # 2000 tokens in 0.1 s
-    pool.set_draining(p1, False)
-    burst = [ui() for _ in range(3)]
-    for r in burst:  # three interactive prompts arrived on p0 at once: 0.3 s of prefill ahead there
-        disp.picker.dispatched(p0, r)
-    batch = PDRequest(model="m", prompt_tokens=4000, prompt=b"bulk", decode_tokens=4048)
-    got = adm.admit(batch, "bulk", BATCH)
-    if not held:
-        assert got is p1  # p1 starts a 0.2-s batch prefill: the burst's next prompt finds both busy
-        return
-    assert isinstance(got, Waiter)
-    # The burst's next interactive prompt takes the free p1 (0.1 s there against 0.4 s on p0).
-    nxt = ui()
-    assert adm.admit(nxt, "ui", INTERACTIVE) is p1
-    disp.picker.completed(p1, nxt, Outcome(status=200, ok=True, ttft=0.1))
-    assert adm.drain("m") == []  # p1 is free again, but p0 still has 0.3 s of the burst ahead
-    clock.t += 0.2
-    for r in burst[:2]:
-        disp.picker.completed(p0, r, Outcome(status=200, ok=True, ttft=0.1))
-    (w,) = adm.drain("m")  # 0.1 s left on p0: the burst is over, the batch prefill starts on p1
-    assert w is got and w.backend is p1

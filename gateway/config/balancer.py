@@ -52,7 +52,6 @@ class QueueConfig:
     reserve: float = 0.75  # share of a backend's batch slots that classes below interactive leave free while interactive requests come (when the slots are known)
     kv_reserve: float = 0.85  # the same for its KV cache while its slots are unknown (a held-back flood never fills a batch, so they may never be learnt)
     pd_keep_share: float = 1.0  # keep_share for disaggregated (distserve) models, over their prefill and over their decode instances: lower, as their instances are even and the picker sends interactive requests to the one without batch work, so one that takes more than an even share stays kept; 0 turns it off
-    pd_burst_hold: float = 0.0  # disaggregated models: while interactive requests come, classes below interactive start no prefill while a prefill instance kept for them (pd_keep_share) has more than this many seconds of prefill ahead, so the others are free for the burst's next interactive prompts; 0 turns it off
     keep_share: float = 1.5  # while interactive requests come, classes below interactive are not bound to a backend that took more than this many times an even share (1/N) of the recent interactive requests; 0 turns it off
 
     def wait_limit(self, priority: int) -> float:
@@ -138,7 +137,6 @@ def read_queue(s: Section) -> QueueConfig:
         kv_reserve=s.number("kv_reserve", d.kv_reserve, min=0, max=0.95),
         keep_share=s.number("keep_share", d.keep_share, min=0, max=100),
         pd_keep_share=s.number("pd_keep_share", d.pd_keep_share, min=0, max=100),
-        pd_burst_hold=s.number("pd_burst_hold", d.pd_burst_hold, min=0, max=3600),
     )
     s.finish()
     return cfg

@@ -326,8 +326,6 @@ class PDDispatcher:
         (``Admission.fit``); the decode instances kept for them are left out here."""
         adm = self.queue.admission  # type: ignore[union-attr]
         decodes = self._decodes(req, [b for b in self.pool.eligible(req.model) if b.role == "decode"], priority)
-        if adm.reserving(req.model, priority) and self._interactive_burst(req.model):
-            return []  # a prefill instance's completion wakes the queue: no timer needed
         if adm.reserving(req.model, priority):  # leave slots and an empty prefill queue to interactive requests
             fit, wait = self.picker.room_or_wait(prefills, decodes, req, min(adm.config.hold_wait, LOW_PREFILL_AHEAD), adm.config.reserve)
         else:
@@ -335,18 +333,6 @@ class PDDispatcher:
         if not fit and wait < math.inf:
             self._recheck(req.model, wait)
         return fit
-
-    def _interactive_burst(self, model: str) -> bool:
-        """A prefill instance kept for interactive requests has more than ``pd_burst_hold`` seconds
-        of prefill ahead: a burst of them. A batch prefill started elsewhere now (0.25-0.75 s) would
-        leave the burst's next prompt the choice of queueing behind the burst or behind it."""
-        adm = self.queue.admission  # type: ignore[union-attr]
-        hold = adm.config.pd_burst_hold
-        if not hold:
-            return False
-        prefills = [b for b in self.pool.eligible(model) if b.role == "prefill"]
-        kept = adm.kept(model, prefills)
-        return any(self.picker.wait_ahead(b) > hold for b in prefills if b.id in kept)
 
     def _decodes(self, req: PDRequest, decodes: list[Backend], priority: int | None) -> list[Backend]:
         """The decode instances req's class may take: below interactive, while interactive requests
