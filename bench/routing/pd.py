@@ -19,7 +19,8 @@ migration and never prefills, while prefill instances never decode.
 ``ui`` (interactive) sends short requests (``--ui-prompt-tokens``, 16 output tokens) at ``--ui-load``
 of the prefill instances' capacity (their prefill tokens per second); alone, then beside key
 ``bulk`` (batch), the long prompts at ``--bulk-load`` in bursts of 20 (as ``bench.routing --mixed``).
-Reported: ui TTFT p50/p99 alone and beside the flood, refusals (shed) per key, bulk completions.
+Reported: ui TTFT p50/p99 alone and beside the flood, refusals (shed) per key, bulk completions;
+``--repeat`` and ``--seeds`` run each phase several times and add the mean, range and pooled p99.
 """
 
 from __future__ import annotations
@@ -192,45 +193,81 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
+def _mixed_run(gpus: int, max_batch_size: int, balancer: dict | None, trace: Trace, tmp: Path, dump: Path | None = None) -> dict:
+    """One trace through a fresh PD gateway: the interactive TTFTs after warm-up, and the batch key's counts.
+    dump: a JSON file for every request's arrival, key and TTFT (which ones are slow, run after run)."""
+    gw = GatewayWithSims(tmp, "pd", gpus, max_batch_size, keys=KEYS, balancer=balancer)
+    try:
+        samples = asyncio.run(run_trace(gw.url, trace))
+    finally:
+        gw.stop()
+    if dump is not None:
+        dump.parent.mkdir(parents=True, exist_ok=True)
+        dump.write_bytes(orjson.dumps([{"at": at, "key": s.key, "ttft": s.ttft, "status": s.status} for at, s in zip(trace.at, samples)]))
+    ui = [s for s in samples if s.key == "ui"]
+    ui = ui[len(ui) // 10:]  # warm-up
+    bulk = [s for s in samples if s.key == "bulk"]
+    ttfts = [s.ttft for s in ui if s.ttft is not None]
+    return {
+        "ui_n": len(ui), "ui_p50": pct(ttfts, 0.5), "ui_p99": pct(ttfts, 0.99),
+        "ui_shed": sum(1 for s in ui if s.status in (429, 503)), "ui_err": sum(1 for s in ui if not s.ok and s.status not in (429, 503)),
+        "bulk_n": len(bulk), "bulk_done": sum(1 for s in bulk if s.ok), "bulk_shed": sum(1 for s in bulk if s.status in (429, 503)),
+        "bulk_p50": pct([s.ttft for s in bulk if s.ttft is not None], 0.5), "ttfts": ttfts,
+    }
+
+
+def _spread(values: list[float]) -> str:
+    """mean [min-max] of a figure over repeated runs: one run is no verdict (same trace, busy CPUs)."""
+    if not values:
+        return "-"
+    return f"{statistics.fmean(values):.3f} [{min(values):.3f}-{max(values):.3f}]"
+
+
 def run_mixed(args: argparse.Namespace, duration: float) -> int:
-    """Interactive TTFT in PD mode, alone and beside a batch flood from another key."""
+    """Interactive TTFT in PD mode, alone and beside a batch flood from another key, ``--repeat``
+    times per seed of ``--seeds``: every run a fresh gateway on the same seeded trace (the ui requests
+    of a seed are the same alone and beside the flood). Reported per run, then per phase the mean and
+    range of p99 over the runs, and p99 of all the runs' interactive TTFTs pooled (every seed and
+    repeat: about 170 requests a run at 40 %, so one run's p99 is its second slowest request)."""
     prefills = args.gpus // 2
     capacity = prefills * SIM["prefill_tokens_per_s"]  # prompt tokens per second the prefill instances take
     ui_rate = args.ui_load * capacity / (sum(args.ui_prompt_tokens) / 2)
     bulk_rate = args.bulk_load * capacity / (sum(args.prompt_tokens) / 2)
-    alone = mixed_trace(args.seed, duration, ui_rate, tuple(args.ui_prompt_tokens), 0.0, tuple(args.prompt_tokens))
-    flood = mixed_trace(args.seed, duration, ui_rate, tuple(args.ui_prompt_tokens), bulk_rate, tuple(args.prompt_tokens))
+    seeds = args.seeds or [args.seed]
     balancer = balancer_config(args.knobs, {}) if args.knobs else None
-    print(f"PD mixed priority: seed {args.seed}, {prefills}P+{args.gpus - prefills}D, {duration:g} s; ui (interactive) {ui_rate:.2f} req/s "
+    print(f"PD mixed priority: seeds {seeds} x {args.repeat}, phases {args.phases}, {prefills}P+{args.gpus - prefills}D, {duration:g} s; ui (interactive) {ui_rate:.2f} req/s "
           f"({args.ui_load:.0%} of prefill capacity, prompts {args.ui_prompt_tokens[0]}-{args.ui_prompt_tokens[1]} tokens, 16 out), "
           f"bulk (batch) {bulk_rate:.2f} req/s ({args.bulk_load:.0%}, prompts {args.prompt_tokens[0]}-{args.prompt_tokens[1]}, 48 out, bursts of 20); "
           f"{args.max_batch_size} slots per instance; balancer {balancer or 'defaults'}")
     print(f"sim: {SIM}")
-    out = {}
+    runs: list[tuple[int, int, str, dict]] = []
     with tempfile.TemporaryDirectory(prefix="pd-bench-") as tmp:
-        for name, trace in (("alone", alone), ("flood", flood)):
-            gw = GatewayWithSims(Path(tmp), "pd", args.gpus, args.max_batch_size, keys=KEYS, balancer=balancer)
-            try:
-                samples = asyncio.run(run_trace(gw.url, trace))
-            finally:
-                gw.stop()
-            ui = [s for s in samples if s.key == "ui"]
-            ui = ui[len(ui) // 10:]  # warm-up
-            bulk = [s for s in samples if s.key == "bulk"]
-            ttfts = [s.ttft for s in ui if s.ttft is not None]
-            out[name] = {
-                "ui_n": len(ui), "ui_p50": pct(ttfts, 0.5), "ui_p99": pct(ttfts, 0.99),
-                "ui_shed": sum(1 for s in ui if s.status in (429, 503)), "ui_err": sum(1 for s in ui if not s.ok and s.status not in (429, 503)),
-                "bulk_n": len(bulk), "bulk_done": sum(1 for s in bulk if s.ok), "bulk_shed": sum(1 for s in bulk if s.status in (429, 503)),
-                "bulk_p50": pct([s.ttft for s in bulk if s.ttft is not None], 0.5),
+        for seed in seeds:
+            traces = {
+                "alone": mixed_trace(seed, duration, ui_rate, tuple(args.ui_prompt_tokens), 0.0, tuple(args.prompt_tokens)),
+                "flood": mixed_trace(seed, duration, ui_rate, tuple(args.ui_prompt_tokens), bulk_rate, tuple(args.prompt_tokens)),
             }
-            print(f"  {name}: {out[name]}", flush=True)
-    a, f = out["alone"], out["flood"]
-    change = 100 * (f["ui_p99"] / a["ui_p99"] - 1) if a["ui_p99"] > 0 else float("nan")
-    print(f"\n{'ui ttft p50 alone':>18}{'p50 flood':>10}{'ui ttft p99 alone':>18}{'p99 flood':>10}{'change':>8}{'ui shed':>8}{'ui err':>7}"
-          f"{'bulk shed':>10}{'bulk done':>10}{'bulk ttft p50':>14}   seconds")
-    print(f"{a['ui_p50']:>18.3f}{f['ui_p50']:>10.3f}{a['ui_p99']:>18.3f}{f['ui_p99']:>10.3f}{change:>+7.0f}%{f['ui_shed']:>8d}{f['ui_err']:>7d}"
-          f"{f['bulk_shed']:>10d}{f['bulk_done']:>7d}/{f['bulk_n']:<3d}{f['bulk_p50']:>13.3f}")
+            for i in range(args.repeat):
+                for name in args.phases:
+                    dump = args.dump / f"seed{seed}-run{i + 1}-{name}.json" if args.dump else None
+                    r = _mixed_run(args.gpus, args.max_batch_size, balancer, traces[name], Path(tmp), dump)
+                    runs.append((seed, i, name, r))
+                    print(f"  seed {seed} run {i + 1} {name}: " + str({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items() if k != "ttfts"}), flush=True)
+    print(f"\n{'seed':>5}{'run':>4}{'phase':>7}{'ui n':>6}{'ui p50':>8}{'ui p99':>8}{'ui shed':>8}{'ui err':>7}{'bulk done':>10}{'bulk ttft p50':>14}   seconds")
+    for seed, i, name, r in runs:
+        bulk = f"{r['bulk_done']:>7d}/{r['bulk_n']:<3d}{r['bulk_p50']:>13.3f}" if r["bulk_n"] else f"{'-':>10}{'-':>14}"
+        print(f"{seed:>5}{i + 1:>4}{name:>7}{r['ui_n']:>6}{r['ui_p50']:>8.3f}{r['ui_p99']:>8.3f}{r['ui_shed']:>8d}{r['ui_err']:>7d}{bulk}")
+    pooled: dict[str, float] = {}
+    print(f"\n{'phase':<7}{'runs':>5}{'ui p50 mean [range]':>24}{'ui p99 mean [range]':>24}{'p99 pooled':>12}{'n pooled':>10}{'bulk ttft p50 mean':>20}")
+    for name in args.phases:
+        rs = [r for _, _, n, r in runs if n == name]
+        ttfts = [t for r in rs for t in r["ttfts"]]
+        pooled[name] = pct(ttfts, 0.99)
+        bulk = [r["bulk_p50"] for r in rs if r["bulk_n"]]
+        print(f"{name:<7}{len(rs):>5}{_spread([r['ui_p50'] for r in rs]):>24}{_spread([r['ui_p99'] for r in rs]):>24}{pooled[name]:>12.3f}{len(ttfts):>10}"
+              f"{(f'{statistics.fmean(bulk):.2f}' if bulk else '-'):>20}")
+    if "alone" in pooled and "flood" in pooled:
+        print(f"ui ttft p99 pooled, flood vs alone: {100 * (pooled['flood'] / pooled['alone'] - 1):+.0f}%")
     return 0
 
 
@@ -247,6 +284,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ui-load", type=float, default=0.4, help="--mixed: the interactive key's prompt tokens per second, a share of the prefill instances' capacity")
     ap.add_argument("--bulk-load", type=float, default=1.0, help="--mixed: the batch flood's, likewise")
     ap.add_argument("--ui-prompt-tokens", type=int, nargs=2, default=(500, 1500), metavar=("MIN", "MAX"), help="--mixed: the interactive prompts (the flood's: --prompt-tokens)")
+    ap.add_argument("--repeat", type=int, default=1, help="--mixed: runs per seed and phase (a fresh gateway each), reported with mean, range and pooled p99")
+    ap.add_argument("--seeds", type=int, nargs="+", default=None, help="--mixed: several seeds, their runs pooled (default: --seed)")
+    ap.add_argument("--phases", nargs="+", choices=("alone", "flood"), default=["alone", "flood"], help="--mixed: which runs (e.g. flood only to compare two settings)")
+    ap.add_argument("--dump", type=Path, default=None, help="--mixed: write every request's arrival, key and TTFT per run to this folder")
     ap.add_argument("--knobs", default="", help="--mixed: balancer settings, field=value+queue.field=value (as bench.routing's --policies)")
     args = ap.parse_args(argv)
     duration = args.duration or (20.0 if args.quick else 30.0 if args.mixed else 60.0)
