@@ -220,3 +220,30 @@ async def test_a_grant_is_renewed_before_it_runs_out(redis_server):
     finally:
         await store.close()
 
+
+
+@pytest.mark.parametrize("tail", [
+    [32, 0, 0, b"99", b"0", 0, 1],  # no slots for a key with a concurrency cap: would read as no cap
+    [10**6, 0, 16, b"99", b"0", 0, 1],  # more requests than were asked for
+    [32, 0, 16, b"inf", b"0", 0, 1],  # a level that is not finite
+    [b"many", 0, 16, b"99", b"0", 0, 1],  # not a number
+], ids=["no-slots", "more-than-asked", "infinite", "not-a-number"])
+async def test_a_grant_redis_did_not_make_is_not_taken(redis_server, tail):
+    # Redis is not trusted: a grant reply outside what was asked, or that is not ADMIT's, makes no grant
+    # (the admission itself stands, as its own 6 values say).
+    store = await _loaded(redis_server.url)
+    key = _key(rate_limit_rpm=100_000, max_concurrent=1_000)
+
+    def request(packed: bytes, n: int) -> asyncio.Future:
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result([[1, b"", 0, b"99", b"-1", 0] + tail] * n)
+        return fut
+
+    store.pipe.request = request  # type: ignore[method-assign]
+    try:
+        first = await store.admit(key, MODEL, 0, None)
+        assert not isinstance(first, Refusal) and first.shared
+        assert not store._grants
+        assert (await store.admit(key, MODEL, 0, None)).grant is None
+    finally:
+        await store.close()

@@ -336,12 +336,18 @@ async def test_admissions_past_a_call_s_group_go_in_further_calls_of_the_same_wr
         await store.close()
 
 
+NO_GRANT = [0, 0, 0, b"0", b"0", 0, 0]  # ADMIT's 7 grant values when none was asked for
+
+
 @pytest.mark.parametrize("reply", [
-    [1, b"", 0, b"5", b"7"],  # one value short
-    [[1], b"", 0, b"5", b"7", 0],  # a nested list where the flag goes
-    [1, b"", b"soon", b"5", b"7", 0],  # a retry that is not a number
+    [1, b"", 0, b"5", b"7"] + NO_GRANT,  # one value short
+    [1, b"", 0, b"5", b"7", 0],  # no grant values
+    [[1], b"", 0, b"5", b"7", 0] + NO_GRANT,  # a nested list where the flag goes
+    [1, b"", b"soon", b"5", b"7", 0] + NO_GRANT,  # a retry that is not a number
+    [1, b"", 0, b"inf", b"7", 0] + NO_GRANT,  # requests left not finite: the headers could not show it
+    [1, b"", 0, b"5", b"nan", 0] + NO_GRANT,  # tokens left not a number
     b"OK",  # not a list at all
-], ids=["short", "nested", "not-a-number", "not-a-list"])
+], ids=["short", "no-grant-part", "nested", "not-a-number", "infinite", "nan", "not-a-list"])
 async def test_an_admit_reply_of_the_wrong_shape_is_not_trusted_the_fallback_decides(redis_server, reply):
     # Redis is not trusted: whatever it answers, the request gets a decision (the local fallback's,
     # within the per-replica share), never an exception, and the failure is counted.

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import time
 from collections import deque
 from typing import Any, Awaitable, Iterable, TypeVar
@@ -620,7 +621,7 @@ class RedisStore(StateStore):
                 ok, reason, retry, r, k, reset = await fut
                 if type(ok) is not int:
                     raise TypeError("not ADMIT's flag")
-                d = Decision(ok == 1, reason.decode() if isinstance(reason, bytes) else str(reason), int(retry), float(r), float(k), int(reset))
+                d = Decision(ok == 1, reason.decode() if isinstance(reason, bytes) else str(reason), int(retry), _level(r), _level(k), int(reset))
             except (TypeError, ValueError):  # a reply that is not ADMIT's (Redis is not trusted): the fallback decides
                 stats.STATE_ERRORS.labels(op="admit").inc()
             except Exception:
@@ -696,13 +697,15 @@ class RedisStore(StateStore):
         key = ask.key
         self._asking.pop(key.hash, None)
         try:
-            requests, tokens, slots, r, k, reset, stamp = (int(tail[0]), int(tail[1]), int(tail[2]), float(tail[3]), float(tail[4]),
+            requests, tokens, slots, r, k, reset, stamp = (int(tail[0]), int(tail[1]), int(tail[2]), _level(tail[3]), _level(tail[4]),
                                                            int(tail[5]), int(tail[6]))
         except (TypeError, ValueError):  # not ADMIT's (Redis is not trusted): no grant
             stats.STATE_ERRORS.labels(op="admit").inc()
             return
         if requests <= 0 or requests > ask.requests or tokens < 0 or tokens > ask.tokens or slots < 0 or slots > ask.slots:
             return
+        if (key.max_concurrent and slots < 1) or (key.rate_limit_tpm and tokens < 1):
+            return  # a grant of no slots would read as no cap (ADMIT grants at least 2, and tokens with a tpm limit)
         now = time.monotonic()
         g = Grant(
             key, requests if key.rate_limit_rpm else -1, tokens if key.rate_limit_tpm else -1,
@@ -1198,6 +1201,15 @@ def _bulks(items: Iterable[Any]) -> bytes:
         item = a if t is bytes else b"%d" % a if t is int else a.encode() if t is str else _arg(a)
         buf.append(b"$%d\r\n%s\r\n" % (len(item), item))
     return b"".join(buf)
+
+
+def _level(v: Any) -> float:
+    """A level from an ADMIT reply: a finite number (an infinite or NaN one from a Redis that is not
+    ours would reach the rate-limit headers, which cannot format it)."""
+    x = float(v)
+    if not math.isfinite(x):
+        raise ValueError(f"not a finite level: {v!r}")
+    return x
 
 
 def _noscript(r: Any) -> bool:
