@@ -762,19 +762,25 @@ def test_first_bytes_that_waited_for_a_slot_teach_the_batch_size(late_ttft, kv_u
     assert bal._model(a).slots == slots
 
 
-@pytest.mark.parametrize("steps_late, slots", [(2.5, 4), (1.5, None)])
-def test_a_first_byte_two_steps_past_its_prefill_is_late_enough(steps_late, slots):
-    """The same engine with 4 slots, r5 and r6 admitted ``steps_late`` decode steps after their prefill
-    and first step (as the balancer predicts them). Past 2 steps it is a wait for a slot: on sockets
-    (40-80 ms of relay and loop lag) a threshold of 3 steps taught the fast backend's slots 30 s late or
-    never. Within 2 steps it teaches nothing (one step's jitter, a step that also prefilled others)."""
+def _four_busy_slots():  # type: ignore[no-untyped-def]
+    """An engine of 4 slots, all 4 streaming (first bytes seen), 2 more requests waiting: (clock, policy, backend, requests)."""
     clock = Clock()
     bal = mel(clock)
     (a,) = backends("a")
     set_sigma(bal, a, SIGMA0)
     rs = [_stream(bal, a, clock) for _ in range(6)]
     for r in rs[:4]:
-        bal.first_byte(a, r, 0.04)
+        bal.first_byte(a, r, 0.04)  # (this also starts the loop-lag monitor on a running loop)
+    return clock, bal, a, rs
+
+
+@pytest.mark.parametrize("steps_late, slots", [(2.5, 4), (1.5, None)])
+def test_a_first_byte_two_steps_past_its_prefill_is_late_enough(steps_late, slots):
+    """The same engine with 4 slots, r5 and r6 admitted ``steps_late`` decode steps after their prefill
+    and first step (as the balancer predicts them). Past 2 steps it is a wait for a slot: on sockets
+    (40-80 ms of relay and loop lag) a threshold of 3 steps taught the fast backend's slots 30 s late or
+    never. Within 2 steps it teaches nothing (one step's jitter, a step that also prefilled others)."""
+    clock, bal, a, rs = _four_busy_slots()
     for done, late in ((rs[0], rs[4]), (rs[1], rs[5])):
         clock.t += 1.0
         bal.completed(a, done, Outcome(status=200, ok=True, completion_tokens=50))
@@ -790,13 +796,7 @@ async def test_first_bytes_the_gateway_itself_made_late_teach_no_slots(blocked, 
     """The same engine with 4 slots, its late first bytes 1 s after their prefill. When the gateway's own
     event loop ran that late (here: blocked for ``blocked`` s, as a CPU-saturated gateway is), the lateness
     is the gateway's, not a wait for a batch slot: no batch size is learnt (it was learnt as 4 before)."""
-    clock = Clock()
-    bal = mel(clock)
-    (a,) = backends("a")
-    set_sigma(bal, a, SIGMA0)
-    rs = [_stream(bal, a, clock) for _ in range(6)]
-    for r in rs[:4]:
-        bal.first_byte(a, r, 0.04)  # starts the lag monitor on this loop
+    clock, bal, a, rs = _four_busy_slots()  # its first bytes start the lag monitor on this loop
     time.sleep(blocked)
     await asyncio.sleep(0.1)  # the lag monitor (a sample every 50 ms) sees how late the loop ran
     for done, late in ((rs[0], rs[4]), (rs[1], rs[5])):

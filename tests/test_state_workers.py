@@ -36,6 +36,28 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
         proc.stderr.close()
 
 
+def _launching_config(path, keys, redis_url: str, port: int, prefix: str, extra_keys: list | None = None) -> None:  # type: ignore[no-untyped-def]
+    """A gateway that launches one simulated api_server, with Redis state under ``prefix``."""
+    path.write_text(yaml.safe_dump({
+        "auth": {"keys": keys.entries + (extra_keys or [])},
+        "launch": {"model": "sim-model", "model_name": "chat", "engine": "sim", "instances": 1, "health_interval": 0.2,
+                   "sim": {"ttft": 0, "tpot": 0}},
+        "health": {"interval": 0.2, "timeout": 1.0},
+        "server": {"port": port},
+        "state": {"redis_url": redis_url, "prefix": prefix},
+    }))
+
+
+def _chat(port: int, key: str) -> int:
+    """One chat request on a fresh connection (the kernel spreads them over the workers); 0 if it failed."""
+    try:
+        with httpx.Client(timeout=10) as c:
+            return c.post(f"http://127.0.0.1:{port}/v1/chat/completions", headers={"authorization": f"Bearer {key}"},
+                          json={"model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).status_code
+    except httpx.HTTPError:
+        return 0
+
+
 def test_workers_with_the_in_memory_store_are_refused_with_a_clear_message(keys, tmp_path):
     cfg = tmp_path / "gw.yaml"
     cfg.write_text(yaml.safe_dump({"auth": {"keys": keys.entries}, "backends": [{"url": "http://127.0.0.1:9"}]}))
@@ -50,25 +72,13 @@ def test_two_workers_share_one_port_one_launcher_and_the_limits(keys, redis_serv
     limited = new_key()
     port = free_port()
     cfg = tmp_path / "gw.yaml"
-    cfg.write_text(yaml.safe_dump({
-        "auth": {"keys": keys.entries + [{"name": "limited", "hash": hash_key(limited), "rate_limit_rpm": 10}]},
-        "launch": {"model": "sim-model", "model_name": "chat", "engine": "sim", "instances": 1, "health_interval": 0.2,
-                   "sim": {"ttft": 0, "tpot": 0}},
-        "health": {"interval": 0.2, "timeout": 1.0},
-        "server": {"port": port},
-        "state": {"redis_url": redis_server.url, "prefix": "w" + os.urandom(4).hex()},
-    }))
+    _launching_config(cfg, keys, redis_server.url, port, "w" + os.urandom(4).hex(),
+                      [{"name": "limited", "hash": hash_key(limited), "rate_limit_rpm": 10}])
     proc = _serve(cfg, "--workers", "2")
     started: set[int] = set()
     try:
-        body = {"model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
-
         def one(key: str) -> int:
-            try:  # a fresh connection each time: the kernel spreads them over both workers
-                with httpx.Client(timeout=10) as c:
-                    return c.post(f"http://127.0.0.1:{port}/v1/chat/completions", headers={"authorization": f"Bearer {key}"}, json=body).status_code
-            except httpx.HTTPError:
-                return 0
+            return _chat(port, key)
 
         def both_ready() -> bool:
             return all(one(keys.alice) == 200 for _ in range(12))
@@ -99,25 +109,12 @@ def test_the_internal_key_reaches_the_workers_from_the_parent_and_never_redis(ke
     monkeypatch.setenv("LMDEPLOY_GATEWAY_LOG_DIR", str(tmp_path / "logs"))
     port, prefix = free_port(), "k" + os.urandom(4).hex()
     cfg = tmp_path / "gw.yaml"
-    cfg.write_text(yaml.safe_dump({
-        "auth": {"keys": keys.entries},
-        "launch": {"model": "sim-model", "model_name": "chat", "engine": "sim", "instances": 1, "health_interval": 0.2,
-                   "sim": {"ttft": 0, "tpot": 0}},
-        "health": {"interval": 0.2, "timeout": 1.0},
-        "server": {"port": port},
-        "state": {"redis_url": redis_server.url, "prefix": prefix},
-    }))
+    _launching_config(cfg, keys, redis_server.url, port, prefix)
     proc = _serve(cfg, "--workers", "2")
     r = redis_py.Redis.from_url(redis_server.url, socket_timeout=5)
     try:
-        body = {"model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
-
         def one() -> int:
-            try:  # a fresh connection each time: the kernel spreads them over both workers
-                with httpx.Client(timeout=10) as c:
-                    return c.post(f"http://127.0.0.1:{port}/v1/chat/completions", headers={"authorization": f"Bearer {keys.alice}"}, json=body).status_code
-            except httpx.HTTPError:
-                return 0
+            return _chat(port, keys.alice)
 
         wait_until(lambda: all(one() == 200 for _ in range(12)), 90, 0.3, "both workers serving the launched backend")
         assert [one() for _ in range(24)] == [200] * 24  # worker 1 calls worker 0's api_server with the parent's key
@@ -171,28 +168,12 @@ def test_pinned_workers_run_on_one_cpu_each_and_their_api_servers_on_all(keys, r
     monkeypatch.setenv("LMDEPLOY_GATEWAY_LOG_DIR", str(tmp_path / "logs"))
     port = free_port()
     cfg = tmp_path / "gw.yaml"
-    cfg.write_text(yaml.safe_dump({
-        "auth": {"keys": keys.entries},
-        "launch": {"model": "sim-model", "model_name": "chat", "engine": "sim", "instances": 1, "health_interval": 0.2,
-                   "sim": {"ttft": 0, "tpot": 0}},
-        "health": {"interval": 0.2, "timeout": 1.0},
-        "server": {"port": port},
-        "state": {"redis_url": redis_server.url, "prefix": "p" + os.urandom(4).hex()},
-    }))
+    _launching_config(cfg, keys, redis_server.url, port, "p" + os.urandom(4).hex())
     mine = sorted(_cpus(0))
     proc = _serve(cfg, "--workers", "2", "--pin-workers")
     started: set[int] = set()
     try:
-        def served() -> bool:
-            try:
-                with httpx.Client(timeout=10) as c:
-                    r = c.post(f"http://127.0.0.1:{port}/v1/chat/completions", headers={"authorization": f"Bearer {keys.alice}"},
-                               json={"model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
-                return r.status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_until(served, 90, 0.3, "the pinned workers serving the launched backend")
+        wait_until(lambda: _chat(port, keys.alice) == 200, 90, 0.3, "the pinned workers serving the launched backend")
         started = descendants(proc.pid)
         workers = sorted(p for p in started if b"--worker-index" in open(f"/proc/{p}/cmdline", "rb").read())
         assert len(workers) == 2
