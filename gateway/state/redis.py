@@ -696,6 +696,8 @@ class RedisStore(StateStore):
         """The grant part of an ADMIT reply (7 values): a live grant for the key when one was made."""
         key = ask.key
         self._asking.pop(key.hash, None)
+        if self._closing:  # ended grants were given back at close; a late one would only expire in Redis
+            return
         try:
             requests, tokens, slots, r, k, reset, stamp = (int(tail[0]), int(tail[1]), int(tail[2]), _level(tail[3]), _level(tail[4]),
                                                            int(tail[5]), int(tail[6]))
