@@ -8,7 +8,7 @@
 # gateway's and lmdeploy's pure dependencies, openai) into /tmp/site, with no index. Results go to
 # $OUT (summary.json, gateway.log, api_server.log, backend_metrics.txt, smoke.log).
 # Environment: GPU_SMOKE_ENGINE=sim (no GPU: the bundled simulator), GPU_SMOKE_BUILD=1 (with sim: build
-# the tiny models anyway), GPU_SMOKE_VLM=0 (no tiny Qwen2-VL), GPU_SMOKE_BUDGET (seconds, default 450),
+# the tiny models anyway), GPU_SMOKE_VLM=0 (no tiny Qwen2-VL), GPU_SMOKE_BUDGET (seconds, default 360),
 # GPU_SMOKE_PYTHON (default python3).
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 2
@@ -27,7 +27,7 @@ else
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-budget="${GPU_SMOKE_BUDGET:-450}"
+budget="${GPU_SMOKE_BUDGET:-360}"
 # The script stops itself within its budget; timeout is the backstop (SIGTERM, then SIGKILL 30 s later).
 timeout -k 30 $((budget + 30)) "$PY" deploy/gpu_smoke.py 2>&1 | tee -a "$LOG"
 rc=${PIPESTATUS[0]}
