@@ -262,7 +262,7 @@ def build_vlm(path: Path) -> dict[str, Any]:
     # Older readers (lmdeploy's config parsing) look for the text fields at the top level too.
     for k, v in text.items():
         setattr(cfg, k, v)
-    cfg.dtype = "bfloat16"
+    cfg.dtype = cfg.text_config.dtype = "bfloat16"
     torch.manual_seed(0)
     model = Qwen2VLForConditionalGeneration(cfg).to(torch.bfloat16)
     path.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,7 @@
 #
 # Missing Python packages are installed from .whl/ (cp312 wheels: lmdeploy without TurboMind, the
 # gateway's and lmdeploy's pure dependencies, openai) into /tmp/site, with no index. Results go to
-# $OUT (summary.json, gateway.log, api_server.log, backend_metrics.txt, smoke.log).
+# $OUT (summary.json, smoke.log, gateway.log, api_server.log, vlm_server.log, backend_metrics.txt).
 # Environment: GPU_SMOKE_ENGINE=sim (no GPU: the bundled simulator), GPU_SMOKE_BUILD=1 (with sim: build
 # the tiny models anyway), GPU_SMOKE_VLM=0 (no tiny Qwen2-VL), GPU_SMOKE_BUDGET (seconds, default 360),
 # GPU_SMOKE_PYTHON (default python3).
