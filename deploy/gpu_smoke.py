@@ -26,6 +26,10 @@ What it does, each step bounded in time (the whole run stays under ``GPU_SMOKE_B
    forwarded: 404), the gateway's ``/metrics`` (403 for a plain key, 200 for an admin key), the admin
    listener's ``/admin/backends``; the backend's own ``/metrics`` without a key (401) and with the
    internal key (200, then parsed by ``gateway.routing.signals.parse_metrics``, the scraper's parser);
+   then (optional checks, ``GPU_SMOKE_LOAD=0`` leaves them out) 96 streamed chats 32 at a time through
+   the gateway and the same straight to the api_server (TTFT and end-to-end p50/p99 side by side, with
+   the backend's 8 batch slots full), and a client that drops a 1,800-token stream after 4 chunks (the
+   backend's running count must go back to 0 and it must generate fewer tokens than asked for);
 6. stops everything it started (SIGINT to the gateway, which stops its api_servers; then a bounded
    wait and SIGKILL for anything left) and writes, under ``$OUT`` (or ``$GPU_SMOKE_WORK/out``):
    ``summary.json`` (each check's status, latency and a snippet; versions), ``gateway.log``,
@@ -60,6 +64,8 @@ T0 = time.monotonic()
 BUDGET = float(os.environ.get("GPU_SMOKE_BUDGET", "360"))  # seconds for the whole run, stop included
 STOP_RESERVE = 45.0  # kept for stopping and writing the results
 ENGINE = os.environ.get("GPU_SMOKE_ENGINE", "lmdeploy")
+LOAD = os.environ.get("GPU_SMOKE_LOAD", "1") == "1"  # the load and disconnect checks (optional ones)
+LOAD_REQUESTS, LOAD_CONCURRENCY, LOAD_TOKENS = 96, 32, 64
 WANT_VLM = os.environ.get("GPU_SMOKE_VLM", "1") == "1" and ENGINE == "lmdeploy"
 WORK = Path(os.environ.get("GPU_SMOKE_WORK", "/tmp/gpu_smoke"))
 OUT = Path(os.environ.get("OUT") or (WORK / "out"))
@@ -623,8 +629,117 @@ def main() -> int:
             return {"parsed": parsed, "series": len(names), "lmdeploy_series": [n for n in names if n.startswith("lmdeploy:")][:40]}
 
         check("backend_metrics_parsed")(backend_metrics)
+    if urls and LOAD:
+        direct = (urls[0], internal_key)
+        check("load_gateway", required=False)(lambda: load_run(base, keys["user"]))
+        check("load_direct", required=False)(lambda: load_run(direct[0], direct[1]))
+        try:
+            RESULTS["backends_after_load"] = _snip(_admin_backends(admin_base, keys["listener"]))
+            code, body = http("GET", admin_base + "/admin/status", key=keys["listener"], timeout=10)
+            RESULTS["admin_status_after_load"] = _snip(json.loads(body))
+        except Exception as exc:
+            RESULTS["backends_after_load"] = repr(exc)
+        check("disconnect_aborts", required=False)(lambda: disconnect_run(base, keys["user"], direct))
     RESULTS["scrape_log_lines"] = [l for l in tail(gateway_log, 400).splitlines() if "scrap" in l.lower() or "signals" in l.lower()][-10:]
     return 0
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    xs = sorted(xs)
+    return round(xs[min(len(xs) - 1, int(q * len(xs)))], 4) if xs else None
+
+
+def load_run(url: str, key: str) -> dict[str, Any]:
+    """LOAD_REQUESTS streamed chats, LOAD_CONCURRENCY at a time (more than the backend's 8 batch slots, so
+    requests queue somewhere): TTFT and end-to-end seconds as the client sees them."""
+    import asyncio
+
+    import httpx
+
+    async def go() -> dict[str, Any]:
+        ttfts: list[float] = []
+        e2e: list[float] = []
+        errors: list[str] = []
+        sem = asyncio.Semaphore(LOAD_CONCURRENCY)
+        limits = httpx.Limits(max_connections=LOAD_CONCURRENCY, max_keepalive_connections=LOAD_CONCURRENCY)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(60.0), limits=limits) as client:
+            async def one(i: int) -> None:
+                async with sem:
+                    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": f"request {i}: tell me a long story"}],
+                            "max_tokens": LOAD_TOKENS, "stream": True}
+                    t0 = time.monotonic()
+                    first = None
+                    try:
+                        async with client.stream("POST", url + "/v1/chat/completions", json=body,
+                                                 headers={"Authorization": f"Bearer {key}"}) as r:
+                            if r.status_code != 200:
+                                errors.append(f"{r.status_code}: {(await r.aread())[:200]!r}")
+                                return
+                            async for line in r.aiter_lines():
+                                if first is None and line.startswith("data: ") and '"content"' in line:
+                                    first = time.monotonic() - t0
+                        if first is not None:
+                            ttfts.append(first)
+                        e2e.append(time.monotonic() - t0)
+                    except Exception as exc:
+                        errors.append(f"{type(exc).__name__}: {exc}"[:200])
+
+            t = time.monotonic()
+            await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(LOAD_REQUESTS))), timeout=max(10.0, min(90.0, left() - STOP_RESERVE)))
+            wall = time.monotonic() - t
+        assert not errors, errors[:5]
+        return {"requests": LOAD_REQUESTS, "concurrency": LOAD_CONCURRENCY, "max_tokens": LOAD_TOKENS, "wall_s": round(wall, 3),
+                "req_per_s": round(LOAD_REQUESTS / wall, 2), "ttft_p50": _pct(ttfts, 0.5), "ttft_p99": _pct(ttfts, 0.99),
+                "e2e_p50": _pct(e2e, 0.5), "e2e_p99": _pct(e2e, 0.99), "errors": len(errors)}
+
+    return asyncio.run(go())
+
+
+def _backend_gauges(url: str, key: str) -> dict[str, float]:
+    from gateway.routing.signals import parse_metrics
+
+    code, data = http("GET", url + "/metrics", key=key, timeout=10)
+    assert code == 200, code
+    return parse_metrics(data.decode("utf-8", "replace"))
+
+
+def disconnect_run(base: str, key: str, direct: tuple[str, str]) -> dict[str, Any]:
+    """A client that goes away mid-stream: the gateway must abort the backend's request (its running count
+    back to 0, and far fewer tokens generated than asked for)."""
+    import http.client
+
+    before = _backend_gauges(*direct)
+    body = json.dumps({"model": MODEL_NAME, "messages": [{"role": "user", "content": "a very long answer please"}],
+                       "max_tokens": 1800, "ignore_eos": True, "stream": True})
+    host, port = base.split("//")[1].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("POST", "/v1/chat/completions", body=body, headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200, resp.status
+    got = b""
+    t0 = time.monotonic()
+    while got.count(b"data: ") < 4 and time.monotonic() - t0 < 20:
+        got += resp.read1(4096)
+    running_mid = _backend_gauges(*direct).get("lmdeploy:num_requests_running")
+    conn.sock.close()  # the client disappears without a word
+    conn.close()
+    t_close = time.monotonic()
+    running = None
+    while time.monotonic() - t_close < 15:
+        g = _backend_gauges(*direct)
+        running = g.get("lmdeploy:num_requests_running")
+        if running == 0:
+            break
+        time.sleep(0.1)
+    settle = time.monotonic() - t_close
+    time.sleep(1.0)
+    after = _backend_gauges(*direct)
+    generated = after.get("lmdeploy:generation_tokens_total", 0) - before.get("lmdeploy:generation_tokens_total", 0)
+    out = {"chunks_read": got.count(b"data: "), "running_mid_stream": running_mid, "running_after": running,
+           "seconds_to_idle": round(settle, 3), "tokens_generated": generated, "max_tokens": 1800}
+    assert running == 0, f"the backend still runs the request: {out}"
+    assert generated < 1800, f"generated all it was asked for: the request was not aborted: {out}"
+    return out
 
 
 def _admin_backends(admin_base: str, key: str) -> list[dict[str, Any]]:
