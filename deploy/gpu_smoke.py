@@ -27,13 +27,16 @@ What it does, each step bounded in time (the whole run stays under ``GPU_SMOKE_B
    listener's ``/admin/backends``; the backend's own ``/metrics`` without a key (401) and with the
    internal key (200, then parsed by ``gateway.routing.signals.parse_metrics``, the scraper's parser);
    then (optional checks, ``GPU_SMOKE_LOAD=0`` leaves them out) 96 streamed chats 32 at a time through
-   the gateway and the same straight to the api_server (TTFT and end-to-end p50/p99 side by side, with
-   the backend's 8 batch slots full), and a client that drops a 1,800-token stream after 4 chunks (the
-   backend's running count must go back to 0 and it must generate fewer tokens than asked for);
+   the gateway, straight to the api_server, and through a second gateway with the queue off (TTFT and
+   end-to-end p50/p99 side by side, with the backend's 8 batch slots full), and a client that drops a
+   1,800-token stream after 4 chunks (the backend's running count must go back to 0 and it must
+   generate fewer tokens than asked for). With ``GPU_SMOKE_STATE=1`` (the default) the gateway runs
+   with a thread that writes the balancer's learnt state each second (``balancer_state.jsonl``);
 6. stops everything it started (SIGINT to the gateway, which stops its api_servers; then a bounded
    wait and SIGKILL for anything left) and writes, under ``$OUT`` (or ``$GPU_SMOKE_WORK/out``):
    ``summary.json`` (each check's status, latency and a snippet; versions), ``gateway.log``,
-   ``api_server.log``, ``backend_metrics.txt``, and ``vlm_server.log`` when a VLM was started.
+   ``api_server.log``, ``backend_metrics.txt``, ``gateway_metrics.txt`` (after the load),
+   ``balancer_state.jsonl``, and ``vlm_server.log`` when a VLM was started.
 
 ``GPU_SMOKE_ENGINE=sim`` runs the same flow against the gateway's bundled simulator (no GPU, no
 lmdeploy, no model build unless ``GPU_SMOKE_BUILD=1``): it checks the script itself.
@@ -64,6 +67,34 @@ T0 = time.monotonic()
 BUDGET = float(os.environ.get("GPU_SMOKE_BUDGET", "360"))  # seconds for the whole run, stop included
 STOP_RESERVE = 45.0  # kept for stopping and writing the results
 ENGINE = os.environ.get("GPU_SMOKE_ENGINE", "lmdeploy")
+STATE_DUMP = os.environ.get("GPU_SMOKE_STATE", "1") == "1"  # diagnostics: what the balancer learnt, each second
+# The gateway as `gateway serve` runs it (one process), with a thread writing the balancer's learnt state
+# (bench/routing/serve.py's view: sigma, slots, KV capacity, signals) once a second: argv config port key-fd out.
+STATE_GATEWAY = '''
+import json, sys, threading, time
+from gateway.config import load_config
+from gateway.launcher.shim import read_key
+from gateway import server
+from bench.routing.serve import BenchGateway
+cfg = load_config(sys.argv[1])
+gw = BenchGateway(cfg)
+gw.internal_key = read_key(int(sys.argv[3]))
+def dump():
+    with open(sys.argv[4], "a") as f:
+        while True:
+            time.sleep(1.0)
+            try:
+                view = gw.describe()
+                view["t"] = round(time.monotonic() - gw.started, 2)
+                view["in_flight"] = {b.id: b.in_flight for b in gw.pool}
+                view["queue"] = {m: [len(q), q.rate(time.monotonic()), {p: c.wait_ratio for p, c in q.classes.items()}] for m, q in gw.router.queue.admission.models.items()} if getattr(gw.router, "queue", None) else None
+                f.write(json.dumps(view, default=str) + "\\n")
+                f.flush()
+            except Exception as exc:
+                f.write(json.dumps({"error": repr(exc)}) + "\\n")
+threading.Thread(target=dump, daemon=True).start()
+sys.exit(server.run(gw.asgi(), cfg.server, drain=cfg.timeouts.drain, host=cfg.server.host, port=int(sys.argv[2]), sockets=[server.bind(cfg.server.host, int(sys.argv[2]))]))
+'''
 LOAD = os.environ.get("GPU_SMOKE_LOAD", "1") == "1"  # the load and disconnect checks (optional ones)
 LOAD_REQUESTS, LOAD_CONCURRENCY, LOAD_TOKENS = 96, 32, 64
 WANT_VLM = os.environ.get("GPU_SMOKE_VLM", "1") == "1" and ENGINE == "lmdeploy"
@@ -462,8 +493,12 @@ def main() -> int:
     os.write(w, internal_key.encode())
     os.close(w)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    gw = start([sys.executable, "-m", "gateway", "serve", "--config", str(WORK / "gateway.yaml"), "--internal-key-fd", str(r)],
-               gateway_log, env=env, pass_fds=(r,))
+    if STATE_DUMP:  # the same wiring as `gateway serve`, plus the balancer's learnt state every second
+        gw = start([sys.executable, "-c", STATE_GATEWAY, str(WORK / "gateway.yaml"), str(port), str(r), str(WORK / "balancer_state.jsonl")],
+                   gateway_log, env=env, pass_fds=(r,))
+    else:
+        gw = start([sys.executable, "-m", "gateway", "serve", "--config", str(WORK / "gateway.yaml"), "--internal-key-fd", str(r)],
+                   gateway_log, env=env, pass_fds=(r,))
     os.close(r)
     PROCS.remove(gw)
     PROCS.insert(0, gw)  # stopped first, with SIGINT
@@ -632,7 +667,13 @@ def main() -> int:
     if urls and LOAD:
         direct = (urls[0], internal_key)
         check("load_gateway", required=False)(lambda: load_run(base, keys["user"]))
+        try:  # the queue's figures after the load (sheds by reason, waits)
+            code, data = http("GET", base + "/metrics", key=keys["admin"], timeout=15)
+            (WORK / "gateway_metrics.txt").write_bytes(data)
+        except Exception as exc:
+            RESULTS["gateway_metrics_after_load"] = repr(exc)
         check("load_direct", required=False)(lambda: load_run(direct[0], direct[1]))
+        check("load_gateway_no_queue", required=False)(lambda: load_without_queue(direct, hashes["user"], keys["user"], env))
         try:
             RESULTS["backends_after_load"] = _snip(_admin_backends(admin_base, keys["listener"]))
             code, body = http("GET", admin_base + "/admin/status", key=keys["listener"], timeout=10)
@@ -693,6 +734,38 @@ def load_run(url: str, key: str) -> dict[str, Any]:
                 "e2e_p50": _pct(e2e, 0.5), "e2e_p99": _pct(e2e, 0.99), "errors": len(errors)}
 
     return asyncio.run(go())
+
+
+def load_without_queue(direct: tuple[str, str], user_hash: str, user_key: str, env: dict[str, str]) -> dict[str, Any]:
+    """The same load through a second gateway with the gateway queue off (every request bound at once),
+    in front of the same api_server as a remote backend: which of the gateway's parts costs what."""
+    port = free_port()
+    path = WORK / "gateway-no-queue.yaml"
+    path.write_text(
+        f"server:\n  host: 127.0.0.1\n  port: {port}\n  log_level: info\n"
+        f"auth:\n  keys:\n    - {{name: smoke, hash: \"{user_hash}\"}}\n"
+        "timeouts: {connect: 5, first_byte: 120, idle: 60, drain: 5}\n"
+        "balancer: {queue: {enabled: false}}\n"
+        f"backends:\n  - {{url: \"{direct[0]}\", name: direct, api_key: \"{direct[1]}\", models: [{MODEL_NAME}]}}\n"
+    )
+    proc = start([sys.executable, "-m", "gateway", "serve", "--config", str(path)], WORK / "gateway-no-queue.log", env=env)
+    base = f"http://127.0.0.1:{port}"
+    t = time.monotonic()
+    while time.monotonic() - t < 30:
+        try:
+            if http("GET", base + "/ready", timeout=2)[0] == 200:
+                break
+        except Exception:
+            pass
+        time.sleep(0.2)
+    try:
+        return load_run(base, user_key)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def _backend_gauges(url: str, key: str) -> dict[str, float]:
@@ -822,6 +895,9 @@ def finish(code: int) -> int:
         copy_tail(logs[0], OUT / "api_server.log")
     if (WORK / "vlm_server.log").exists():
         copy_tail(WORK / "vlm_server.log", OUT / "vlm_server.log")
+    for name in ("balancer_state.jsonl", "gateway_metrics.txt"):
+        if (WORK / name).exists():
+            copy_tail(WORK / name, OUT / name, max_bytes=2 << 20)
     if not (OUT / "backend_metrics.txt").exists():
         (OUT / "backend_metrics.txt").write_text("(not read)\n")
     time.sleep(0.5)

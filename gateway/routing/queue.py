@@ -55,6 +55,10 @@ class Binder(Protocol):
 # A request is refused on arrival when its predicted wait exceeds this share of its class's limit:
 # at the limit itself, half of those admitted would still time out in the queue (slowly).
 SHED_MARGIN = 0.6
+# Seconds with nothing waiting after which the next busy spell measures the rate afresh.
+QUIET_RESET = 1.0
+# The rate counts once the responses it has span this share of the waiting time it is counted over.
+SPREAD = 0.25
 # The predicted wait is corrected by how long waits came out against their predictions (ClassQueue.
 # wait_ratio): each bind or deadline moves the ratio this share of the way, within these bounds.
 WAIT_RATIO_RATE = 0.05
@@ -188,6 +192,13 @@ class ModelQueue:
         self.quantum = quantum
         self.classes: dict[int, ClassQueue] = {}
         self.completions: deque[float] = deque(maxlen=256)  # when recent responses of this model finished
+        # The busy spell that followed a quiet one began at ``origin``; the rate forgets what came
+        # before it. A quiet spell's responses end as fast as requests come, not as
+        # fast as the backends serve them: its rate once predicted 17-s waits for a burst that a real
+        # api_server served within 1.6 s, and every request past its batch slots was refused
+        # (deploy/gpu_smoke.py on an H200). A queue that empties for a moment under load keeps its rate.
+        self.origin: float | None = None  # None: from the first response kept
+        self.idle_since: float | None = -math.inf  # since when nothing has waited here (None: requests wait)
 
     def __len__(self) -> int:
         return sum(c.size for c in self.classes.values())
@@ -204,12 +215,37 @@ class ModelQueue:
     def waiting_at_or_above(self, priority: int) -> int:
         return sum(c.size for p, c in self.classes.items() if p >= priority)
 
+    def waits_from(self, now: float) -> None:
+        """A request is about to wait here: a busy spell after a quiet one (nothing waiting for more than
+        ``QUIET_RESET``) measures the rate afresh."""
+        if self.idle_since is not None:
+            if now - self.idle_since > QUIET_RESET:
+                self.completions.clear()
+                self.origin = now
+            self.idle_since = None
+
+    def note_busy(self, now: float) -> None:
+        """Call after waiters left: the queue's quiet spell starts when the last one goes."""
+        if not len(self) and self.idle_since is None:
+            self.idle_since = now
+
+    def completed(self, now: float) -> None:
+        self.completions.append(now)
+
     def rate(self, now: float, window: float = 30.0) -> float:
-        """Responses finished per second lately; 0 while there are too few to tell."""
+        """Responses finished per second lately; 0 while there are too few to tell, or while they are
+        bunched: since a busy spell began (``origin``), they must span ``SPREAD`` of its time."""
         t = self.completions
         while t and now - t[0] > window:
             t.popleft()
         if len(t) < 8 or now <= t[0]:
+            return 0.0
+        since = max(t[0] if self.origin is None else self.origin, now - window)
+        if t[-1] - t[0] < SPREAD * (now - since):
+            # One batch's responses ending together are one sample, not a flow: a cold engine's first
+            # batch of 8 took 3 s, and 24 waiters extrapolated at that rate were refused; the next
+            # batches took 0.6 s each and the queue emptied in 1.5 s (deploy/gpu_smoke.py on an H200).
+            # Until the responses spread out, the deadline alone refuses.
             return 0.0
         return len(t) / (now - t[0])
 
@@ -345,6 +381,7 @@ class Admission:
                 return self._bind(fit, req, priority)
         limit = self.config.wait_limit(priority)
         cls = q.cls(priority)
+        q.waits_from(now)
         rate = q.rate(now)
         predicted = 0.0
         if rate > 0:
@@ -379,6 +416,7 @@ class Admission:
         return None
 
     def _shed_refusal(self, q: ModelQueue, cls: ClassQueue, key: str, priority: int, wait: float, why: str) -> Refusal:
+        q.note_busy(self.clock())  # refused on arrival at an empty queue: it stays quiet
         rate = q.rate(self.clock())
         retry = max(1, min(60, math.ceil(len(q) / rate if rate > 0 else wait)))
         metrics.QUEUE_SHED.labels(priority=priority_name(priority), reason=why).inc()
@@ -401,7 +439,7 @@ class Admission:
 
     # -- capacity freed ------------------------------------------------------------------------------
     def completed(self, model: str) -> None:
-        self._queue(model).completions.append(self.clock())
+        self._queue(model).completed(self.clock())
 
     def drain(self, model: str) -> list[Waiter]:
         """Bind waiting requests, best class first, while some backend has room; returns those bound."""
@@ -422,6 +460,7 @@ class Admission:
             self._learn_wait(cls, w, waited)
             metrics.QUEUE_WAIT.labels(priority=priority_name(w.priority)).observe(waited)
             bound.append(w)
+        q.note_busy(self.clock())
         return bound
 
     def expire(self, w: Waiter) -> bool:
@@ -438,6 +477,7 @@ class Admission:
         self._learn_wait(cls, w, limit)  # at least that long: the ratio learns a lower bound
         w.refusal = self._shed_refusal(q, cls, w.key, w.priority, limit, "deadline")
         cls.remove(w)
+        q.note_busy(self.clock())
         return True
 
     @staticmethod
@@ -452,6 +492,7 @@ class Admission:
         q = self.models.get(w.req.model)
         if q is not None and w.priority in q.classes:
             q.classes[w.priority].remove(w)
+            q.note_busy(self.clock())
 
     def waiting(self) -> int:
         return sum(len(q) for q in self.models.values())
