@@ -748,7 +748,7 @@ def load_without_queue(direct: tuple[str, str], user_hash: str, user_key: str, e
         "balancer: {queue: {enabled: false}}\n"
         f"backends:\n  - {{url: \"{direct[0]}\", name: direct, api_key: \"{direct[1]}\", models: [{MODEL_NAME}]}}\n"
     )
-    proc = start([sys.executable, "-m", "gateway", "serve", "--config", str(path)], WORK / "gateway-no-queue.log", env=env)
+    start([sys.executable, "-m", "gateway", "serve", "--config", str(path)], WORK / "gateway-no-queue.log", env=env)
     base = f"http://127.0.0.1:{port}"
     t = time.monotonic()
     while time.monotonic() - t < 30:
@@ -758,14 +758,7 @@ def load_without_queue(direct: tuple[str, str], user_hash: str, user_key: str, e
         except Exception:
             pass
         time.sleep(0.2)
-    try:
-        return load_run(base, user_key)
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    return load_run(base, user_key)  # the gateway stays up, idle, until stop_all stops it with the rest
 
 
 def _backend_gauges(url: str, key: str) -> dict[str, float]:
