@@ -30,8 +30,8 @@ What it does, each step bounded in time (the whole run stays under ``GPU_SMOKE_B
    the gateway, straight to the api_server, and through a second gateway with the queue off (TTFT and
    end-to-end p50/p99 side by side, with the backend's 8 batch slots full), and a client that drops a
    1,800-token stream after 4 chunks (the backend's running count must go back to 0 and it must
-   generate fewer tokens than asked for). With ``GPU_SMOKE_STATE=1`` (the default) the gateway runs
-   with a thread that writes the balancer's learnt state each second (``balancer_state.jsonl``);
+   generate fewer tokens than asked for). With ``GPU_SMOKE_STATE=1`` (the default) the admin
+   listener's ``/admin/balancer`` is polled each second into ``balancer_state.jsonl``;
 6. stops everything it started (SIGINT to the gateway, which stops its api_servers; then a bounded
    wait and SIGKILL for anything left) and writes, under ``$OUT`` (or ``$GPU_SMOKE_WORK/out``):
    ``summary.json`` (each check's status, latency and a snippet; versions), ``gateway.log``,
@@ -56,6 +56,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
 import urllib.error
@@ -67,34 +68,7 @@ T0 = time.monotonic()
 BUDGET = float(os.environ.get("GPU_SMOKE_BUDGET", "360"))  # seconds for the whole run, stop included
 STOP_RESERVE = 45.0  # kept for stopping and writing the results
 ENGINE = os.environ.get("GPU_SMOKE_ENGINE", "lmdeploy")
-STATE_DUMP = os.environ.get("GPU_SMOKE_STATE", "1") == "1"  # diagnostics: what the balancer learnt, each second
-# The gateway as `gateway serve` runs it (one process), with a thread writing the balancer's learnt state
-# (bench/routing/serve.py's view: sigma, slots, KV capacity, signals) once a second: argv config port key-fd out.
-STATE_GATEWAY = '''
-import json, sys, threading, time
-from gateway.config import load_config
-from gateway.launcher.shim import read_key
-from gateway import server
-from bench.routing.serve import BenchGateway
-cfg = load_config(sys.argv[1])
-gw = BenchGateway(cfg)
-gw.internal_key = read_key(int(sys.argv[3]))
-def dump():
-    with open(sys.argv[4], "a") as f:
-        while True:
-            time.sleep(1.0)
-            try:
-                view = gw.describe()
-                view["t"] = round(time.monotonic() - gw.started, 2)
-                view["in_flight"] = {b.id: b.in_flight for b in gw.pool}
-                view["queue"] = {m: [len(q), q.rate(time.monotonic()), {p: c.wait_ratio for p, c in q.classes.items()}] for m, q in gw.router.queue.admission.models.items()} if getattr(gw.router, "queue", None) else None
-                f.write(json.dumps(view, default=str) + "\\n")
-                f.flush()
-            except Exception as exc:
-                f.write(json.dumps({"error": repr(exc)}) + "\\n")
-threading.Thread(target=dump, daemon=True).start()
-sys.exit(server.run(gw.asgi(), cfg.server, drain=cfg.timeouts.drain, host=cfg.server.host, port=int(sys.argv[2]), sockets=[server.bind(cfg.server.host, int(sys.argv[2]))]))
-'''
+STATE_DUMP = os.environ.get("GPU_SMOKE_STATE", "1") == "1"  # diagnostics: /admin/balancer polled each second
 LOAD = os.environ.get("GPU_SMOKE_LOAD", "1") == "1"  # the load and disconnect checks (optional ones)
 LOAD_REQUESTS, LOAD_CONCURRENCY, LOAD_TOKENS = 96, 32, 64
 WANT_VLM = os.environ.get("GPU_SMOKE_VLM", "1") == "1" and ENGINE == "lmdeploy"
@@ -493,16 +467,14 @@ def main() -> int:
     os.write(w, internal_key.encode())
     os.close(w)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    if STATE_DUMP:  # the same wiring as `gateway serve`, plus the balancer's learnt state every second
-        gw = start([sys.executable, "-c", STATE_GATEWAY, str(WORK / "gateway.yaml"), str(port), str(r), str(WORK / "balancer_state.jsonl")],
-                   gateway_log, env=env, pass_fds=(r,))
-    else:
-        gw = start([sys.executable, "-m", "gateway", "serve", "--config", str(WORK / "gateway.yaml"), "--internal-key-fd", str(r)],
-                   gateway_log, env=env, pass_fds=(r,))
+    gw = start([sys.executable, "-m", "gateway", "serve", "--config", str(WORK / "gateway.yaml"), "--internal-key-fd", str(r)],
+               gateway_log, env=env, pass_fds=(r,))
     os.close(r)
     PROCS.remove(gw)
     PROCS.insert(0, gw)  # stopped first, with SIGINT
     say(f"gateway pid {gw.pid} on {base}, admin listener {admin_base}")
+    if STATE_DUMP:
+        threading.Thread(target=poll_learnt, args=(admin_base, keys["listener"], WORK / "balancer_state.jsonl"), daemon=True).start()
 
     # The VLM: built and started by this script while the gateway's api_server loads; added to the pool
     # through the admin listener once healthy (after the text checks, so it can only cost its own checks).
@@ -759,6 +731,21 @@ def load_without_queue(direct: tuple[str, str], user_hash: str, user_key: str, e
             pass
         time.sleep(0.2)
     return load_run(base, user_key)  # the gateway stays up, idle, until stop_all stops it with the rest
+
+
+def poll_learnt(admin_base: str, key: str, out: Path) -> None:
+    """What the balancer and the queue have learnt (``/admin/balancer``), one JSON line a second."""
+    t0 = time.monotonic()
+    with open(out, "a") as f:
+        while left() > 0:
+            time.sleep(1.0)
+            try:
+                code, body = http("GET", admin_base + "/admin/balancer", key=key, timeout=2)
+                line = {"t": round(time.monotonic() - t0, 2), **json.loads(body)} if code == 200 else {"status": code}
+            except Exception as exc:
+                line = {"error": repr(exc)}
+            f.write(json.dumps(line) + "\n")
+            f.flush()
 
 
 def _backend_gauges(url: str, key: str) -> dict[str, float]:

@@ -7,6 +7,7 @@ shut-down (after uvicorn has drained in-flight requests) stops them.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -93,6 +94,7 @@ class Gateway:
                 launcher=lambda: self.launcher,
                 usage=self.store.usage,
                 key_names=lambda: {k.hash: k.name for k in self.store.keys.all()},
+                balancer=self.learnt,
             )
 
     def _pool_changed(self, b: Backend) -> None:
@@ -105,6 +107,13 @@ class Gateway:
         if b.role == "decode" and self.disagg is not None:
             self.disagg.picker.observe_signals(b, signals, changed)  # its batch slots, for PD admission
         self._wake_queues()
+
+    def learnt(self) -> dict[str, Any]:
+        """What the balancer and the gateway queue have learnt, and each backend's last /metrics poll."""
+        out = self.balancer.learnt(list(self.pool))
+        out["queue"] = self.queue.admission.learnt() if self.queue is not None else None
+        out["signals"] = {i: dataclasses.asdict(sig) for i, sig in self.scraper.signals.items()} if self.scraper is not None else {}
+        return out
 
     def _wake_queues(self) -> None:
         """Capacity may have freed somewhere: the queues (hybrid and prefill/decode models) bind who can start."""

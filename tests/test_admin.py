@@ -19,7 +19,7 @@ MODEL = "test-model"
 ADMIN_PATHS = [
     ("GET", "/status"), ("GET", "/admin/status"), ("GET", "/admin/backends"), ("POST", "/admin/backends"),
     ("DELETE", "/admin/backends/sim-0"), ("POST", "/admin/backends/sim-0/drain"), ("POST", "/admin/backends/sim-0/undrain"),
-    ("POST", "/admin/backends/sim-0/restart"), ("POST", "/admin/reload"),
+    ("POST", "/admin/backends/sim-0/restart"), ("POST", "/admin/reload"), ("GET", "/admin/balancer"),
 ]
 
 
@@ -107,6 +107,19 @@ def test_backends_are_listed_with_live_figures(env, keys):
     assert all(b["ttft_ms"] > 0 and b["tokens_per_s"] > 0 for b in served)
     status = env.admin.get("/admin/status").json()
     assert status["requests_total"] >= 6 and len(status["series"]["rate"]) == 60 and sum(status["series"]["rate"]) >= 6
+
+
+def test_the_balancer_view_shows_what_was_learnt_per_backend(env, keys):
+    assert all(r.status_code == 200 for r in chat(env, keys.alice, 4))
+    view = env.admin.get("/admin/balancer").json()
+    assert view["policy"] == "min_expected_latency" and view["gamma"] > 0 and view["picks"] >= 4
+    per = view["backends"]
+    assert set(per) >= {"sim-0", "sim-1"}
+    for b in (per["sim-0"], per["sim-1"]):
+        assert b["sigma"] > 0 and b["in_flight"] == 0 and set(b) == {"sigma", "slots", "slots_learnt_at", "kv_capacity", "in_flight", "external"}
+    assert view["queue"] is None or all(set(q) == {"waiting", "rate", "wait_ratio"} for q in view["queue"].values())
+    assert env.admin.post("/admin/balancer", json={}).status_code == 405
+    assert "backend-secret" not in env.admin.get("/admin/balancer").text  # the backends' keys never show
 
 
 def test_drain_takes_a_backend_out_of_rotation_and_undrain_brings_it_back(env, keys):

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from gateway.app import Gateway
 from gateway.config import load_config
+from gateway.routing.signals import Signals
 from gateway.server import serve
 
 
@@ -25,21 +26,17 @@ class BenchGateway(Gateway):
         self.started = time.monotonic()  # the balancer's clock: when its slots were learnt, from here
 
     def describe(self) -> dict:
-        """The balancer's learnt state."""
-        bal = self.balancer
-        out: dict = {"policy": bal.name}
-        if hasattr(bal, "gamma"):
-            fleet = bal.fleet_sigma(list(self.pool))
-            out.update(gamma=bal.gamma, rho=bal.rho, fleet_sigma=fleet, picks=bal.picks, affinity_picks=bal.affinity_picks)
-            out["sigma"] = {b.id: bal.sigma(b, fleet) for b in self.pool}
-            out["kv_capacity"] = {b.id: bal.models(b).kv_capacity for b in self.pool}
-            out["slots"] = {b.id: bal.models(b).slots for b in self.pool}
+        """The balancer's learnt state (``Gateway.learnt``, the admin listener's ``/admin/balancer``),
+        in the bench's shape: per-field maps by backend, times from the gateway's start."""
+        view = self.learnt()
+        per = view.pop("backends", {})
+        out: dict = dict(view)
+        if per:
+            for f in ("sigma", "kv_capacity", "slots"):
+                out[f] = {i: b[f] for i, b in per.items()}
             # Seconds from the gateway's start (the trace starts a second or two later); None: not learnt.
-            out["slots_learnt_at"] = {b.id: round(bal.models(b).slots_at - self.started, 1) if bal.models(b).slots_at else None for b in self.pool}
-            out["lag_vetoes"] = bal.lag_vetoes  # late first bytes set aside as the gateway's own lag
-            out["sizes"] = {m: {"fill": s.fill, "out_avg": s.out_avg, "token_ratio": s.token_ratio} for m, s in bal.sizes.items()}
-        if self.scraper is not None:
-            out["signals"] = {i: repr(sig) for i, sig in self.scraper.signals.items()}
+            out["slots_learnt_at"] = {i: round(b["slots_learnt_at"] - self.started, 1) if b["slots_learnt_at"] else None for i, b in per.items()}
+        out["signals"] = {i: repr(Signals(**sig)) for i, sig in view.get("signals", {}).items()}
         return out
 
     async def shutdown(self) -> None:

@@ -11,6 +11,9 @@
     POST   /admin/reload                   re-read the config file; apply what may change live
     GET    /admin/usage?key=sha256:…&since=T  usage per key and model (the store's: memory or Redis);
                                            key and since (unix seconds) are optional
+    GET    /admin/balancer                 what the balancer and the gateway queue have learnt (speeds,
+                                           batch slots, KV capacity, the queue's rate) and the last
+                                           /metrics poll of each backend
     GET    /metrics                        Prometheus text
 
 Every route but ``/status`` needs ``Authorization: Bearer <admin key>``; the admin key is not an
@@ -70,6 +73,7 @@ class AdminApp:
         launcher: Callable[[], Any],
         usage: Callable[[str | None, float | None], Awaitable[list[Any]]] | None = None,
         key_names: Callable[[], dict[str, str]] | None = None,
+        balancer: Callable[[], dict[str, Any]] | None = None,
     ):
         self._key = key_hash.encode()
         self.pool = pool
@@ -79,6 +83,7 @@ class AdminApp:
         self.launcher = launcher  # the Launcher, or None when nothing is launched
         self.usage = usage  # the state store's usage(key_hash, since) -> [UsageRow]
         self.key_names = key_names or dict  # key hash -> name, for the rows
+        self.balancer = balancer or dict  # what the balancer and the queue have learnt
         self.page = resources.files(__package__).joinpath("status.html").read_bytes()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -117,6 +122,9 @@ class AdminApp:
         if path == "/admin/usage":
             _only(method, "GET")
             return await self._usage(scope, send)
+        if path == "/admin/balancer":
+            _only(method, "GET")
+            return await send_json(send, 200, self.balancer())
         if path == "/metrics":
             _only(method, "GET")
             return await _send(send, 200, self.metrics(), b"text/plain; version=0.0.4")

@@ -497,6 +497,13 @@ class Admission:
     def waiting(self) -> int:
         return sum(len(q) for q in self.models.values())
 
+    def learnt(self) -> dict[str, Any]:
+        """Per model: requests waiting, the rate the queue predicts waits from, and each class's
+        ``wait_ratio`` (for operators: ``/admin/balancer``)."""
+        now = self.clock()
+        return {model: {"waiting": len(q), "rate": q.rate(now), "wait_ratio": {priority_name(p): c.wait_ratio for p, c in q.classes.items()}}
+                for model, q in self.models.items()}
+
 
 class GatewayQueue:
     """``Admission`` for the router: an awaitable admission with a deadline timer per waiter."""

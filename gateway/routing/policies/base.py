@@ -130,6 +130,11 @@ class Balancer:
         self.rng = rng or random.Random()
         self.placements: Placements | None = None  # set by share_placements when there are replicas to tell
 
+    def learnt(self, backends: Sequence[Backend]) -> dict[str, Any]:
+        """What the policy has learnt of these backends, for operators (the admin listener's
+        ``/admin/balancer``) and the benches: plain numbers only."""
+        return {"policy": self.name}
+
     def describe(self, model: str, body: dict[str, Any]) -> RequestInfo:
         """What the policy needs to know of one request."""
         if self.reads_prompt:

@@ -246,6 +246,25 @@ class ExpectedLatencyBalancer(Balancer):
                 sx += m.w + g * m.sn
         return sy / sx if sx > 0 else self.SIGMA0
 
+    def learnt(self, backends: Sequence[Backend]) -> dict[str, Any]:
+        fleet = self.fleet_sigma(backends)
+        per: dict[str, Any] = {}
+        for b in backends:
+            m = self.models.get(b)
+            per[b.id] = {
+                "sigma": self.sigma(b, fleet),  # seconds per output token at batch 1
+                "slots": m.slots if m else None,  # batch slots (None: not known)
+                "slots_learnt_at": m.slots_at if m and m.slots_at else None,  # monotonic clock
+                "kv_capacity": m.kv_capacity if m else None,  # KV cache tokens (None: not known)
+                "in_flight": len(m.inflight) if m else 0,
+                "external": m.ext if m else 0.0,  # sequences no gateway replica sent, from /metrics
+            }
+        return {
+            "policy": self.name, "gamma": self.gamma, "rho": self.rho, "fleet_sigma": fleet, "picks": self.picks,
+            "affinity_picks": self.affinity_picks, "lag_vetoes": self.lag_vetoes, "backends": per,
+            "sizes": {model: {"fill": sz.fill, "out_avg": sz.out_avg, "token_ratio": sz.token_ratio} for model, sz in self.sizes.items()},
+        }
+
     def sigma(self, b: Backend, fleet: float) -> float:
         m = self.models.get(b)
         if m is None:
