@@ -196,7 +196,7 @@ def test_responses_that_end_while_nothing_waits_do_not_make_the_rate():
     # A quiet spell: responses end as fast as requests come (2 a second), far below what the backends
     # serve. A burst past their slots then waits; it must not be refused on that rate (the old rule
     # predicted ~1 s for the third of them and refused the rest: on a real api_server they started
-    # within 1.6 s). Once 8 responses have ended while requests waited, that rate decides.
+    # within 1.6 s). Once 8 responses have ended since the burst began, spread out, that rate decides.
     clock, gate = Clock(), Gate()
     adm = admission(clock, gate, max_wait=((INTERACTIVE, 1.0),))
     for _ in range(20):
@@ -258,10 +258,9 @@ def test_a_quiet_spell_is_forgotten_and_a_moment_without_waiters_is_not():
     assert q.rate(clock.t) == 0.0 and not q.completions
 
 
-
 def test_the_rate_holds_when_more_responses_end_than_it_keeps():
     # 20 a second for 15 s of waiting: 300 responses, of which the queue keeps the last 256; they are
-    # counted over their own span (over the whole 15 s they would read 17 a second).
+    # counted over their own span, not over the whole busy spell (that would read 17 a second).
     clock, gate = Clock(), Gate()
     adm = admission(clock, gate)
     adm.admit(req(), "k0", INTERACTIVE)

@@ -57,7 +57,8 @@ class Binder(Protocol):
 SHED_MARGIN = 0.6
 # Seconds with nothing waiting after which the next busy spell measures the rate afresh.
 QUIET_RESET = 1.0
-# The rate counts once the responses it has span this share of the waiting time it is counted over.
+# Since a busy spell began, the rate counts once its responses span this share of the spell (up to
+# the rate's window): responses of one batch that end together are one sample.
 SPREAD = 0.25
 # The predicted wait is corrected by how long waits came out against their predictions (ClassQueue.
 # wait_ratio): each bind or deadline moves the ratio this share of the way, within these bounds.
@@ -193,10 +194,10 @@ class ModelQueue:
         self.classes: dict[int, ClassQueue] = {}
         self.completions: deque[float] = deque(maxlen=256)  # when recent responses of this model finished
         # The busy spell that followed a quiet one began at ``origin``; the rate forgets what came
-        # before it. A quiet spell's responses end as fast as requests come, not as
-        # fast as the backends serve them: its rate once predicted 17-s waits for a burst that a real
-        # api_server served within 1.6 s, and every request past its batch slots was refused
-        # (deploy/gpu_smoke.py on an H200). A queue that empties for a moment under load keeps its rate.
+        # before it. A quiet spell's responses end as fast as requests come, not as fast as the
+        # backends serve them: its rate once predicted 17-s waits for a burst that a real api_server
+        # served within 1.6 s, and 61 of 96 requests were refused (deploy/gpu_smoke.py on an H200).
+        # A queue that empties for a moment under load keeps its rate.
         self.origin: float | None = None  # None: from the first response kept
         self.idle_since: float | None = -math.inf  # since when nothing has waited here (None: requests wait)
 
