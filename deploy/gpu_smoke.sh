@@ -4,9 +4,11 @@
 #
 #   bash deploy/gpu_smoke.sh            # from the repo root, on a machine with one CUDA GPU
 #
-# Missing Python packages are installed from .whl/ (cp312 wheels: lmdeploy without TurboMind, the
-# gateway's and lmdeploy's pure dependencies, openai) into /tmp/site, with no index. Results go to
-# $OUT (summary.json, smoke.log, gateway.log, api_server.log, vlm_server.log, backend_metrics.txt).
+# Missing Python packages are installed from .whl/ into /tmp/site, with no index (cp312 wheels:
+# lmdeploy without TurboMind, the gateway's and lmdeploy's dependencies, openai; fill it beforehand,
+# with network: bash deploy/gpu_smoke_wheels.sh). Results go to $OUT (summary.json, smoke.log,
+# gateway.log, api_server.log, vlm_server.log, backend_metrics.txt, gateway_metrics.txt,
+# balancer_state.jsonl).
 # Environment: GPU_SMOKE_ENGINE=sim (no GPU: the bundled simulator), GPU_SMOKE_BUILD=1 (with sim: build
 # the tiny models anyway), GPU_SMOKE_VLM=0 (no tiny Qwen2-VL), GPU_SMOKE_BUDGET (seconds, default 360),
 # GPU_SMOKE_PYTHON (default python3).
