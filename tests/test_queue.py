@@ -245,13 +245,13 @@ def test_a_quiet_spell_is_forgotten_and_a_moment_without_waiters_is_not():
         adm.completed("m")
     q = adm.models["m"]
     gate.open = True
-    adm.drain("m")
+    assert adm.drain("m") == [held]  # nothing waits now
     gate.open = False
     clock.t += 0.5  # under a second without waiters: the same busy spell
-    adm.admit(req(), "k1", INTERACTIVE)
+    k1 = adm.admit(req(), "k1", INTERACTIVE)
     assert q.rate(clock.t) > 5
     gate.open = True
-    adm.drain("m")
+    assert adm.drain("m") == [k1]
     gate.open = False
     clock.t += 5.0  # then quiet: the next spell starts afresh
     adm.admit(req(), "k2", INTERACTIVE)
