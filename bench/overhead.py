@@ -12,6 +12,9 @@ Targets, all against the same very fast fake backend (bench/fake_backend.py):
   gateway+redis     the same limits in Redis (redis-server started by the bench): one round trip each
   gateway+redis-w2  `gateway serve --workers 2` with Redis (cpu/req sums both workers)
   gateway+redis-w2pin  the same with --pin-workers (each worker on its own CPU)
+  gateway+redis-open, gateway+redis-open-w2
+                    the same Redis store (keys, usage, shared load) with a key that has no limits:
+                    what sharing costs without what the limits cost
   smg               the SGLang model gateway (Rust), when installed in .venv-smg (see below)
 
 The state rows print Redis scripts per request (from INFO commandstats) and Redis's CPU per request
@@ -176,9 +179,10 @@ def redis_commands(port: int) -> int:
     return sum(v.get("calls", 0) for k, v in stats.items() if k in ("cmdstat_evalsha", "cmdstat_eval"))
 
 
-def gateway_config(path: Path, backend_port: int, key_hash: str, transport: str, http: str = "native", state: dict | None = None) -> None:
+def gateway_config(path: Path, backend_port: int, key_hash: str, transport: str, http: str = "native", state: dict | None = None,
+                   limits: bool = True) -> None:
     key = {"name": "bench", "hash": key_hash}
-    if state is not None:
+    if state is not None and limits:
         key.update(STATE_LIMITS)
     cfg = {
         "server": {"log_level": "warning", "http": http},
@@ -281,7 +285,7 @@ def start_target(target: str, stack: contextlib.ExitStack, args: argparse.Namesp
         # a prefix per target: targets sharing one would be replicas of each other (one's load seen by the other's balancer)
         state = {} if variant == "memory" else {"redis_url": f"redis://127.0.0.1:{redis_port}/0", "prefix": f"bench-{variant}"}
         cfg = tmp / f"state-{variant}.yaml"
-        gateway_config(cfg, backend_port, hash_key(key), "native", state=state)
+        gateway_config(cfg, backend_port, hash_key(key), "native", state=state, limits="-open" not in variant)
         workers = ["--workers", "2"] if variant.endswith("-w2") else ["--workers", "2", "--pin-workers"] if variant.endswith("-w2pin") else []
         pid = stack.enter_context(process([sys.executable, "-m", "gateway", "serve", "--config", str(cfg), "--port", str(port), *workers])).pid
         for _ in range(20):  # fresh connections reach every worker: all of them must be up

@@ -248,6 +248,28 @@ def _receiving_cluster() -> tuple[object, ExpectedLatencyBalancer, Backend]:
 CHAIN = list(prefix_keys("shared document " * 200))
 
 
+def test_a_replicas_own_message_echoed_by_the_channel_is_dropped_before_the_parse(monkeypatch):
+    # Every replica receives its own placements back from the channel: with N replicas, 1/N of the
+    # messages. They are recognised by their first bytes (orjson writes "from" first), never parsed.
+    from gateway.routing.prefix import Placements
+    from gateway.state import cluster as cluster_mod
+
+    cluster, bal, target = _receiving_cluster()
+    parsed: list[bytes] = []
+    real = cluster_mod.learn_placements
+    monkeypatch.setattr(cluster_mod, "learn_placements", lambda data, *a: (parsed.append(data), real(data, *a)))
+    outbox = Placements()
+    outbox.record(target.id, tuple(CHAIN), 724)
+    own = cluster_mod.placements_message(cluster.store.replica, outbox)
+    cluster._on_placements(own)
+    assert parsed == []
+    outbox.record(target.id, tuple(CHAIN), 724)  # the message drained it
+    other = cluster_mod.placements_message(cluster.store.replica + "0", outbox)  # another replica whose id starts as ours
+    cluster._on_placements(other)
+    assert parsed == [other]
+    assert bal.models(target).prefixes.depth(tuple(CHAIN), bal.clock()) == len(CHAIN)
+
+
 def test_learnt_prompts_with_their_size_evict_from_the_memory_as_the_engine_does():
     # The KV cache has room for about 2500 tokens: another replica's document of 2048 tokens (in a
     # 2500-token prompt) pushes an older one of the same size out. Without sizes (an older replica),

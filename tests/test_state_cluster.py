@@ -218,6 +218,67 @@ def test_load_entries_from_redis_are_summed_only_where_valid(entries, summed):
     assert _sum_loads(entries) == summed
 
 
+def test_a_fleet_at_rest_exchanges_its_load_rarely_and_a_request_ends_the_rest_at_once(redis_server):
+    """Every load_interval while anything is in flight anywhere; every QUIET_EXCHANGE_EVERY (0.25 s)
+    while nothing is: an idle gateway does not keep Redis busy with empty entries."""
+    import asyncio
+
+    from gateway.routing.pool import Backend, BackendPool
+    from gateway.state.cluster import QUIET_EXCHANGE_EVERY, Cluster
+
+    cfg = parse_config({"auth": {"disabled": True}, "backends": [{"url": "http://127.0.0.1:9"}],
+                        "state": {"redis_url": redis_server.url, "prefix": "t" + secrets.token_hex(4), "load_interval": 0.02}})
+
+    async def run() -> None:
+        stores, clusters, backends, calls = [], [], [], []
+        try:
+            for _ in range(2):
+                store = RedisStore(cfg)
+                await store.start()
+                pool = BackendPool(cfg.health)
+                backend = Backend(id="sim-0", url="http://sim-0.invalid", models=frozenset({MODEL}), healthy=True)
+                pool.add(backend)
+                count = [0]
+                exchange = store.exchange_load
+
+                async def counted(publish=None, exchange=exchange, count=count):
+                    count[0] += 1
+                    await exchange(publish)
+
+                store.exchange_load = counted
+                cluster = Cluster(store, pool, Backend, publish_backends=False, follow_backends=False)
+                cluster.start()
+                stores.append(store), clusters.append(cluster), backends.append(backend), calls.append(count)
+
+            async def exchanges_during(seconds: float) -> list[int]:
+                before = [c[0] for c in calls]
+                await asyncio.sleep(seconds)
+                return [c[0] - b for c, b in zip(calls, before)]
+
+            await asyncio.sleep(0.3)  # past the first exchange of each
+            assert all(c.quiet() for c in clusters)
+            quiet = await exchanges_during(1.0)
+            assert all(n <= 1.0 / QUIET_EXCHANGE_EVERY + 2 for n in quiet), quiet  # about 4 each, not 50
+
+            backends[0].in_flight = 1  # a request of replica 0: at its next tick, not 0.25 s later
+            busy = await exchanges_during(0.5)
+            assert backends[1].remote_in_flight == 1
+            assert not clusters[1].quiet()  # the other replica is not at rest either: it sees the request
+            assert all(n >= 8 for n in busy), busy  # about 25 each (every 0.02 s)
+
+            backends[0].in_flight = 0  # it ended: the empty entry is written at once, the others see it
+            await asyncio.sleep(0.15)
+            assert backends[1].remote_in_flight == 0
+            assert all(c.quiet() for c in clusters)
+        finally:
+            for c in clusters:
+                await c.stop()
+            for s in stores:
+                await s.close()
+
+    asyncio.run(run())
+
+
 def test_load_interval_is_bounded():
     from gateway.config import ConfigError, parse_config
 

@@ -398,6 +398,7 @@ class RedisStore(StateStore):
         self._closing = False
         self.synced = asyncio.Event()  # the first full key load is done
         self.load: dict[str, int] = {}  # backend id -> in-flight summed over the other replicas
+        self.load_sent = False  # the last exchange wrote a non-empty entry (requests of ours in flight)
         self.local_load: Any = None  # callable returning this replica's {backend id: in flight}
         self.on_load: Any = None  # called with the other replicas' summed {backend id: in flight}
         self.handlers: dict[str, Any] = {}  # extra pub/sub channel -> callable(data) (see cluster.py)
@@ -1103,7 +1104,8 @@ class RedisStore(StateStore):
 
     async def _exchange(self, publish: tuple[str, bytes] | None) -> None:
         args: list[Any] = [self._load_ttl_ms, self.replica, f"{self._p}:load:"]
-        for field, n in self.local_load().items():
+        entry = self.local_load()
+        for field, n in entry.items():
             args += (field, n)
         packed = self._pack([(self._exchange_script, [f"{self._p}:load:{self.replica}".encode(), f"{self._p}:replicas".encode()], args)])
         n = 1
@@ -1118,6 +1120,7 @@ class RedisStore(StateStore):
             raise errors[0]
         total = _sum_loads([_pairs(e) for e in res[0]]) if isinstance(res[0], list) else {}
         self.load = total
+        self.load_sent = bool(entry)
         if self.on_load is not None:
             self.on_load(total)
 
