@@ -4,8 +4,9 @@
   ``Cluster.quiet``) a replica writes its in-flight count per backend under a key that expires
   with ``state.lease_ttl`` (a dead replica's counts vanish on their own) and reads the others';
   their sum lands in ``Backend.remote_in_flight``. With a balancer that models them, also what
-  those requests hold (``Backend.remote_kv``, ``remote_decode``, ``remote_prefill``): its prefix memory and the KV capacity it learns from /metrics need the whole
-  backend's reservations, and its latency estimate the others' work, not only their number.
+  those requests hold (``Backend.remote_kv``, ``remote_decode``, ``remote_prefill``): its prefix
+  memory and the KV capacity it learns from /metrics need the whole backend's reservations, and
+  its latency estimate the others' work, not only their number.
   When it goes down on some backend, ``freed`` is called: the gateway queue may bind a waiter there.
 - Prefix placements: with a balancer that keeps a prefix memory (``shares_prefixes``), the prefix
   keys it sent to each backend since the last exchange ride on the same round trip, published on
