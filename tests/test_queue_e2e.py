@@ -141,3 +141,42 @@ async def test_policies_without_predictions_run_without_the_queue(policy):
             assert gw.gateway.queue is None and gw.gateway.scraper is None
             async with httpx.AsyncClient(base_url=gw.url, timeout=30) as client:
                 assert (await send(client, keys.ui, body("x", 2)))[0] == 200
+
+
+async def test_a_burst_after_a_quiet_spell_on_a_cold_engine_is_served_not_refused():
+    """What a real api_server on an H200 showed (deploy/gpu_smoke.py): a few requests one at a time,
+    a pause, then 96 streams 32 at a time on a backend with 8 batch slots whose first batch is slow
+    (kernels not yet warm). Straight to the backend every stream is served within seconds; the queue
+    refused most of them with 503 by a rate it had measured in the quiet spell and from one batch
+    ending together. It must serve them all."""
+    keys = Keys()
+    cold = ("--max-batch-size", "8", "--tpot", "0.02", "--ttft", "0.005", "--metrics-interval", "1",
+            "--cold-steps", "40", "--cold-factor", "4")  # the first burst batch: ~3 s, the next ones ~0.75 s
+    with Sim(MODEL, *cold, api_key="backend-secret") as sim:
+        config = {
+            "auth": {"keys": keys.entries},
+            "backends": [{"url": sim.url, "api_key": "backend-secret", "name": "sim-0"}],
+            "health": {"interval": 0.2, "timeout": 1.0},
+            # 8 slots, as for a launched --max-batch-size 8; a request waits in the gateway rather than
+            # for a slot in the engine (the GPU's batches were longer than hold_wait, these are not)
+            "balancer": {"policy": "min_expected_latency", "slots": 8, "queue": {"hold_wait": 0.1}},
+        }
+        with GatewayServer(config) as gw:
+            wait_until(lambda: all(b.healthy for b in gw.gateway.pool), 10, 0.02, "the backend healthy")
+            before = shed_count(gw, keys.admin, "predicted")
+            async with httpx.AsyncClient(base_url=gw.url, timeout=60, limits=httpx.Limits(max_connections=40)) as client:
+                for i in range(4):  # the quiet spell: responses end as fast as these come
+                    assert (await send(client, keys.ui, body(f"quiet-{i}", 1)))[0] == 200
+                    await asyncio.sleep(0.5)
+                await asyncio.sleep(1.5)
+                gate = asyncio.Semaphore(32)
+
+                async def one(i: int) -> int:
+                    async with gate:
+                        return (await send(client, keys.ui, body(f"burst-{i}", 32)))[0]
+
+                statuses = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(96))), 60)
+            assert statuses == [200] * 96, f"{statuses.count(503)} of 96 refused"
+            assert shed_count(gw, keys.admin, "predicted") == before
+            assert sim.stats()["peak_in_flight"] < 32  # some of every 32 waited in the gateway, not in the engine
+            assert waiting(gw) == 0

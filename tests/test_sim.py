@@ -516,6 +516,24 @@ async def test_engine_stats_hold_modelled_and_real_step_seconds_and_queue_wait()
     assert stats.latency_s >= stats.first_token_s + 2 * 4 * 0.01 - 0.01  # each decoded 4 more tokens after its first
 
 
+async def test_a_cold_engine_runs_its_first_steps_slower() -> None:
+    # --cold-steps 3 --cold-factor 4: the first 3 of 6 steps are modelled 4x as long, then warm.
+    timing = Timing(ttft=0.0, tpot=0.01, speed=1.0, prefill_tokens_per_s=1e9, batch_slowdown=0.0, cold_steps=3, cold_factor=4.0)
+    engine = Engine(timing, EngineLimits(1, 10_000, 4))
+    await engine.submit(text_prompt("abcd" * 10, 4), 6).wait_done()
+    assert engine.stats.steps == 6
+    assert engine.stats.step_model_s == pytest.approx((3 * 4 + 3) * 0.01, rel=1e-3)
+    assert engine.stats.step_real_s >= engine.stats.step_model_s - 0.01
+
+
+def test_cold_flags_are_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    assert parse_args(["--port", "1", "--model", "m", "--cold-steps", "40", "--cold-factor", "4"]).cold_steps == 40
+    with pytest.raises(SystemExit):
+        parse_args(["--port", "1", "--model", "m", "--cold-steps", "-1", "--cold-factor", "0.5"])
+    err = capsys.readouterr().err
+    assert "--cold-steps" in err and "--cold-factor" in err
+
+
 async def test_instant_engine_answers_without_a_task() -> None:
     engine = Engine(Timing(0, 0, 1, 1e4, 0.02), EngineLimits(4, 1000, 4))
     seq = engine.submit(text_prompt("abcd" * 10, 4), 5)

@@ -46,6 +46,9 @@ class SimConfig:
     role: str = "Hybrid"
     migration_backend: str = "DLSlime"
     cache_hold_seconds: float = 60.0
+    # a cold engine (see engine.Timing)
+    cold_steps: int = 0
+    cold_factor: float = 1.0
 
     @property
     def model(self) -> str:
@@ -80,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--speed", type=float, default=1.0, help="divides every compute time: a faster or slower GPU")
     t.add_argument("--prefill-tokens-per-s", type=float, default=20000.0, help="prefill rate for uncached prompt tokens")
     t.add_argument("--batch-slowdown", type=float, default=0.02, help="decode step = tpot * (1 + batch_size * this)")
+    t.add_argument("--cold-steps", type=int, default=0,
+                   help="the engine's first N steps are slow (kernels not yet warm, as a real api_server's first batches)")
+    t.add_argument("--cold-factor", type=float, default=1.0, help="how many times slower those first steps are")
     t.add_argument("--startup-delay", type=float, default=0.0, help="sleep before opening the port, like model loading")
     t.add_argument("--initializing-for", type=float, default=0.0,
                    help="after the port opens, /health answers 503 initializing for this long")
@@ -145,6 +151,8 @@ def parse_args(argv: list[str] | None = None) -> SimConfig:
         role=ns.role,
         migration_backend=ns.migration_backend,
         cache_hold_seconds=ns.cache_hold_seconds,
+        cold_steps=ns.cold_steps,
+        cold_factor=ns.cold_factor,
     )
 
 
@@ -162,6 +170,8 @@ def _check(ns: argparse.Namespace) -> list[str]:
         value = getattr(ns, flag)
         need(value >= 0, "--" + flag.replace("_", "-"), value, ">= 0")
     need(ns.speed > 0, "--speed", ns.speed, "> 0")
+    need(ns.cold_steps >= 0, "--cold-steps", ns.cold_steps, ">= 0")
+    need(ns.cold_factor >= 1, "--cold-factor", ns.cold_factor, ">= 1")
     need(ns.prefill_tokens_per_s > 0, "--prefill-tokens-per-s", ns.prefill_tokens_per_s, "> 0")
     need(ns.max_batch_size >= 1, "--max-batch-size", ns.max_batch_size, ">= 1")
     need(ns.block_tokens >= 1, "--block-size", ns.block_tokens, ">= 1")

@@ -27,6 +27,8 @@ class SimState:
             speed=config.speed,
             prefill_tokens_per_s=config.prefill_tokens_per_s,
             batch_slowdown=config.batch_slowdown,
+            cold_steps=config.cold_steps,
+            cold_factor=config.cold_factor,
         )
         self.metrics = SimMetrics(config.model, config.max_batch_size)
         self.engine = Engine(
