@@ -4,13 +4,16 @@ It is an asyncio protocol on uvloop that answers every POST with a fixed chat co
 fixed SSE stream when the body asks for ``"stream": true``), and GET /health and /v1/models like
 lmdeploy. Being much faster than any real backend, it makes the gateway's own cost visible.
 
-    python bench/fake_backend.py --port 9001 [--model bench-model] [--chunks 16]
+    python bench/fake_backend.py --port 9001 [--model bench-model] [--chunks 16] [--workers N]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import os
+import signal
 
 import orjson
 
@@ -89,10 +92,10 @@ class FakeBackend(asyncio.Protocol):
             self.transport.write(self.canned[key])  # type: ignore[attr-defined]
 
 
-async def serve(port: int, model: str, chunks: int) -> None:
+async def serve(port: int, model: str, chunks: int, reuse_port: bool = False) -> None:
     canned = responses(model, chunks)
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(lambda: FakeBackend(canned), "127.0.0.1", port, backlog=4096)
+    server = await loop.create_server(lambda: FakeBackend(canned), "127.0.0.1", port, backlog=4096, reuse_port=reuse_port)
     print(f"fake backend ready on http://127.0.0.1:{port}", flush=True)
     async with server:
         await server.serve_forever()
@@ -103,13 +106,28 @@ def main() -> None:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--model", default="bench-model")
     ap.add_argument("--chunks", type=int, default=16)
+    ap.add_argument("--workers", type=int, default=1,
+                    help="processes sharing the port (SO_REUSEPORT), so that on a many-core machine the backend is not the limit")
     args = ap.parse_args()
+    if not 1 <= args.workers <= 64:
+        ap.error("--workers must be 1-64")
     if uvloop is not None:
         uvloop.install()
+    children: list[int] = []  # the first process's forks (the bench stops the whole process group anyway)
+    for _ in range(args.workers - 1):
+        pid = os.fork()
+        if pid == 0:
+            children = []  # a child serves and forks nothing
+            break
+        children.append(pid)
     try:
-        asyncio.run(serve(args.port, args.model, args.chunks))
+        asyncio.run(serve(args.port, args.model, args.chunks, reuse_port=args.workers > 1))
     except KeyboardInterrupt:
         pass
+    finally:
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,11 @@ Every target is started first and paused while the others are measured; with --r
 followed by each target's req/s and cpu/req ratios to SMG and to the lmdeploy proxy (median and range
 over the rounds): the comparison this shared 2-core machine allows, since its speed drifts by tens
 of percent within minutes.
+
+On a machine with more cores, --proxy-cpus 0,1 --load-cpus 2-15 gives each proxy under test (the
+gateway with its workers, SMG, the lmdeploy proxy) exactly those cores and keeps the load generator,
+the backend and redis-server off them: the proxies' own capacity, without the contention that the
+2-core machine adds (SMG's and tokio's thread counts follow the affinity mask).
 """
 
 from __future__ import annotations
@@ -69,9 +74,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_http(url: str, timeout: float = 30.0, headers: dict[str, str] | None = None) -> None:
+def wait_http(url: str, timeout: float = 30.0, headers: dict[str, str] | None = None, proc: subprocess.Popen | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[0]} exited with status {proc.returncode} before {url} answered (BENCH_LOG_DIR=DIR keeps its output)")
         try:
             if httpx.get(url, headers=headers, timeout=1).status_code < 500:
                 return
@@ -81,12 +88,32 @@ def wait_http(url: str, timeout: float = 30.0, headers: dict[str, str] | None = 
     raise TimeoutError(url)
 
 
+def cpu_list(text: str | None) -> set[int] | None:
+    """``0,1`` or ``2-15`` (or both, comma-separated) as a set of CPU numbers; None when not given."""
+    if not text:
+        return None
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    unknown = cpus - os.sched_getaffinity(0)
+    if unknown:
+        sys.exit(f"CPUs {sorted(unknown)} are not available here (this process may use {sorted(os.sched_getaffinity(0))})")
+    return cpus
+
+
+def pinned(cpus: set[int] | None):
+    """A preexec_fn that puts the child (and everything it starts) on ``cpus``; None leaves it unpinned."""
+    return (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+
+
 @contextlib.contextmanager
-def process(argv: list[str], **kw):
+def process(argv: list[str], cpus: set[int] | None = None, **kw):
     # BENCH_LOG_DIR=DIR keeps each process's output (to read why a row has errors); else it is dropped
     logs = os.environ.get("BENCH_LOG_DIR")
     out = open(Path(logs) / f"{Path(argv[0]).name}-{'-'.join(a.rsplit('/', 1)[-1] for a in argv[1:4])}-{time.monotonic_ns()}.log", "wb") if logs else subprocess.DEVNULL
-    proc = subprocess.Popen(argv, cwd=ROOT, start_new_session=True, stdout=out, stderr=subprocess.STDOUT if logs else subprocess.DEVNULL, **kw)
+    proc = subprocess.Popen(argv, cwd=ROOT, start_new_session=True, stdout=out, stderr=subprocess.STDOUT if logs else subprocess.DEVNULL,
+                            preexec_fn=pinned(cpus), **kw)
     try:
         yield proc
     finally:
@@ -98,6 +125,9 @@ def process(argv: list[str], **kw):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(5)
+
+
+LOAD_CPUS: set[int] | None = None  # --load-cpus: where wrk runs (set once by main)
 
 
 def wrk(url: str, concurrency: int, duration: float, body: bytes, key: str | None) -> dict[str, float]:
@@ -116,7 +146,7 @@ def wrk(url: str, concurrency: int, duration: float, body: bytes, key: str | Non
         threads = 1 if concurrency == 1 else 2
         out = subprocess.run(
             ["wrk", f"-t{threads}", f"-c{concurrency}", f"-d{max(1, int(duration))}s", "--timeout", "10s", "-s", script, url],
-            capture_output=True, text=True, timeout=duration + 60,
+            capture_output=True, text=True, timeout=duration + 60, preexec_fn=pinned(LOAD_CPUS),
         ).stdout
     finally:
         os.unlink(script)
@@ -210,7 +240,14 @@ def main() -> None:
                     help="the smg executable (SGLang model gateway) for its row (default: on PATH, or .venv-smg/bin)")
     ap.add_argument("--lmdeploy", default=shutil.which("lmdeploy") or (str(local) if local.exists() else None),
                     help="the lmdeploy executable for the proxy baseline (default: on PATH, or .venv-lmdeploy/bin)")
+    ap.add_argument("--proxy-cpus", help="CPUs for each proxy under test, e.g. 0,1 (default: unpinned)")
+    ap.add_argument("--load-cpus", help="CPUs for wrk, the backend and redis-server, e.g. 2-15 (default: unpinned)")
+    ap.add_argument("--backend-workers", type=int, default=1, help="fake backend processes (SO_REUSEPORT): more when it is the limit")
     args = ap.parse_args()
+    global LOAD_CPUS
+    args.proxy_cpus, LOAD_CPUS = cpu_list(args.proxy_cpus), cpu_list(args.load_cpus)
+    if args.proxy_cpus and LOAD_CPUS and args.proxy_cpus & LOAD_CPUS:
+        sys.exit(f"--proxy-cpus and --load-cpus overlap on {sorted(args.proxy_cpus & LOAD_CPUS)}")
     if shutil.which("wrk") is None:
         sys.exit("wrk is not installed (apt-get install wrk)")
     sys.path.insert(0, str(ROOT))
@@ -230,10 +267,11 @@ def main() -> None:
         if shutil.which("redis-server") is None:
             sys.exit("redis-server is not installed (apt-get install redis-server)")
         redis_port = free_port()
-        outer.enter_context(process(["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]))
+        outer.enter_context(process(["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"], cpus=LOAD_CPUS))
         wait_port(redis_port)
     redis_pid = next((p for p in descendants(os.getpid()) if b"redis-server" in Path(f"/proc/{p}/cmdline").read_bytes()), None) if redis_port else None
-    with outer, process([sys.executable, "bench/fake_backend.py", "--port", str(backend_port), "--model", MODEL]):
+    with outer, process([sys.executable, "bench/fake_backend.py", "--port", str(backend_port), "--model", MODEL,
+                                 "--workers", str(args.backend_workers)], cpus=LOAD_CPUS):
         wait_http(f"http://127.0.0.1:{backend_port}/health")
         # Every target is started once and paused (SIGSTOP) while another is measured, so the
         # measurements interleave: each round measures every target at one mode and concurrency
@@ -256,7 +294,7 @@ def main() -> None:
                         finally:
                             pause(pid)
                         rows.append((target, mode, c, r))
-    report(rows, args.rounds)
+    report(rows, args.rounds, args.proxy_cpus)
 
 
 def pause(pid: int | None) -> None:
@@ -287,7 +325,7 @@ def start_target(target: str, stack: contextlib.ExitStack, args: argparse.Namesp
         cfg = tmp / f"state-{variant}.yaml"
         gateway_config(cfg, backend_port, hash_key(key), "native", state=state, limits="-open" not in variant)
         workers = ["--workers", "2"] if variant.endswith("-w2") else ["--workers", "2", "--pin-workers"] if variant.endswith("-w2pin") else []
-        pid = stack.enter_context(process([sys.executable, "-m", "gateway", "serve", "--config", str(cfg), "--port", str(port), *workers])).pid
+        pid = stack.enter_context(process([sys.executable, "-m", "gateway", "serve", "--config", str(cfg), "--port", str(port), *workers], cpus=args.proxy_cpus)).pid
         for _ in range(20):  # fresh connections reach every worker: all of them must be up
             wait_http(f"http://127.0.0.1:{port}/ready", timeout=60)
         return url, key, pid
@@ -296,25 +334,36 @@ def start_target(target: str, stack: contextlib.ExitStack, args: argparse.Namesp
         transport = name[len("gateway["):-1] if "[" in name else "native"
         cfg = tmp / f"{transport}-{http or 'native'}.yaml"
         gateway_config(cfg, backend_port, hash_key(key), transport, http or "native")
-        pid = stack.enter_context(process([sys.executable, "-m", "gateway", "serve", "--config", str(cfg), "--port", str(port)])).pid
+        pid = stack.enter_context(process([sys.executable, "-m", "gateway", "serve", "--config", str(cfg), "--port", str(port)], cpus=args.proxy_cpus)).pid
         wait_http(f"http://127.0.0.1:{port}/ready")
         return url, key, pid
     if target == "smg":
         if not args.smg:
             print("smg: skipped (install it: python3 -m venv .venv-smg && .venv-smg/bin/pip install smg)")
             return None
-        pid = stack.enter_context(process([args.smg, "launch", "--backend", "vllm", "--disable-tokenizer-autoload",
+        proc = stack.enter_context(process([args.smg, "launch", "--backend", "vllm", "--disable-tokenizer-autoload",
                                            "--worker-urls", f"http://127.0.0.1:{backend_port}", "--policy", "round_robin",
                                            "--host", "127.0.0.1", "--port", str(port),
-                                           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--log-level", "warn"])).pid
-        wait_http(f"http://127.0.0.1:{port}/v1/models", timeout=60)
-        return url, None, pid
+                                           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--log-level", "warn"],
+                                           cpus=args.proxy_cpus))
+        try:
+            wait_http(f"http://127.0.0.1:{port}/v1/models", timeout=60, proc=proc)
+        except RuntimeError as exc:
+            print(f"smg: skipped ({exc})")
+            return None
+        return url, None, proc.pid
     if target == "lmdeploy-proxy":
         if not args.lmdeploy:
             print("lmdeploy-proxy: skipped (lmdeploy is not installed here)")
             return None
-        pid = stack.enter_context(process([args.lmdeploy, "serve", "proxy", "--server-name", "127.0.0.1", "--server-port", str(port), "--routing-strategy", "min_expected_latency"])).pid
-        wait_http(f"http://127.0.0.1:{port}/v1/models", timeout=180)  # it imports torch first
+        proc = stack.enter_context(process([args.lmdeploy, "serve", "proxy", "--server-name", "127.0.0.1", "--server-port", str(port),
+                                            "--routing-strategy", "min_expected_latency"], cpus=args.proxy_cpus))
+        try:
+            wait_http(f"http://127.0.0.1:{port}/v1/models", timeout=180, proc=proc)  # it imports torch first
+        except RuntimeError as exc:
+            print(f"lmdeploy-proxy: skipped ({exc})")
+            return None
+        pid = proc.pid
         httpx.post(f"http://127.0.0.1:{port}/nodes/add", json={"url": f"http://127.0.0.1:{backend_port}", "status": {"models": [MODEL], "role": 1}})
         return url, None, pid
     sys.exit(f"unknown target {target}")
@@ -339,7 +388,7 @@ def measure(target: str, url: str, k: str | None, pid: int | None, mode: str, bo
     return r
 
 
-def report(rows: list[tuple[str, str, int, dict[str, float]]], rounds: int) -> None:
+def report(rows: list[tuple[str, str, int, dict[str, float]]], rounds: int, proxy_cpus: set[int] | None = None) -> None:
     """The table (medians over rounds when there are several), then each target's ratios to the peers."""
     runs: dict[tuple[str, str, int], list[dict[str, float]]] = {}
     for t, m, c, r in rows:
@@ -366,7 +415,11 @@ def report(rows: list[tuple[str, str, int, dict[str, float]]], rounds: int) -> N
         if lines:
             print(f"\nagainst {peer}, each round's ratio (median, and range over rounds):")
             print("\n".join(lines))
-    print(f"\n{os.cpu_count()} CPU cores; load generator, backend and gateway share them.")
+    if proxy_cpus:
+        print(f"\n{os.cpu_count()} CPU cores; each proxy on CPUs {sorted(proxy_cpus)}, load generator, backend and redis-server on "
+              f"{sorted(LOAD_CPUS) if LOAD_CPUS else 'any'}.")
+    else:
+        print(f"\n{os.cpu_count()} CPU cores; load generator, backend and gateway share them.")
     print("cpu us/req: CPU time the proxy process spent per request (user + system), the cost that caps its throughput per core.")
 
 if __name__ == "__main__":

@@ -884,6 +884,46 @@ def test_external_load_is_what_the_gauges_show_beyond_our_own():
     assert bal._model(a).ext == 0  # stale gauges count for nothing
 
 
+def test_a_first_byte_at_once_bounds_the_external_load_that_old_gauges_still_show():
+    # The H200 run: direct clients' load had ended, LMDeploy's gauges (refreshed every 10 s) still
+    # showed 6 running + 2 waiting, and the backend looked full for seconds.
+    clock = Clock()
+    bal = mel(clock)
+    (a,) = backends("a")
+    set_sigma(bal, a, 0.005)
+    m = bal._model(a)
+    m.slots = 8
+    bal.observe_signals(a, Signals(running=6, waiting=2, scraped_at=clock.t), changed=True)
+    assert m.ext == 8
+    r = _stream(bal, a, clock)
+    clock.t += 0.01
+    assert bal.first_byte(a, r, 0.01) is True  # it started at once: the gauges' 8 cannot all be there
+    assert m.ext == 3.5  # at most 8 slots less ours (7), and half of that: the snapshot is out of date
+    rs = [_stream(bal, a, clock) for _ in range(4)]
+    clock.t += 0.01
+    # Up to four of ours beside ext's 3.5 fit in 8 slots; the fifth that started at once contradicts it.
+    assert [bal.first_byte(a, x, 0.01) for x in rs] == [False, False, False, True]
+    assert m.ext == 1.5  # half of 8 - 5
+    late = _stream(bal, a, clock)
+    clock.t += 2.0
+    assert bal.first_byte(a, late, 2.0) is False and m.ext == 1.5  # it may have queued: no evidence
+    # The gauges' next snapshot is believed again, beyond ours.
+    bal.observe_signals(a, Signals(running=12, waiting=3, scraped_at=clock.t), changed=True)
+    assert m.ext == 15 - 6  # six of ours in flight
+    # A real load: the first bytes come late, and the count stays.
+    x = _stream(bal, a, clock)
+    clock.t += 3.0
+    assert bal.first_byte(a, x, 3.0) is False and m.ext == 9
+    # Without a known slot count (no queue in the gauges), nothing to bound it by.
+    other = mel(clock)
+    (b,) = backends("b")
+    other.observe_signals(b, Signals(running=8, waiting=0, scraped_at=clock.t), changed=True)
+    x = _stream(other, b, clock)
+    clock.t += 0.01
+    assert other.first_byte(b, x, 0.01) is False
+    assert other._model(b).slots is None and other._model(b).ext == 8
+
+
 # -- least_load (SGLang's formula) ---------------------------------------------------------------------
 
 def test_least_load_credits_dispatched_tokens_until_the_gauges_change():

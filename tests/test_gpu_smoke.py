@@ -26,9 +26,12 @@ def test_the_gpu_smoke_check_passes_on_the_simulator(tmp_path):
     checks = summary["checks"]
     assert summary["ok"] and not summary["failed_required"] and not summary["failed_optional"] and summary["left_running"] == []
     for name in ("chat_completion", "chat_stream", "image_request_text_model", "no_key_401", "bad_key_401", "terminate_refused",
-                 "nodes_add_refused", "gateway_metrics_plain_key_403", "backend_metrics_parsed", "load_gateway", "load_direct",
-                 "load_gateway_no_queue", "disconnect_aborts"):
+                 "nodes_add_refused", "gateway_metrics_plain_key_403", "backend_metrics_parsed", "load_gateway_cold",
+                 "gateway_no_queue_started", *(f"load_{path}_{i}" for i in (1, 2, 3) for path in ("gateway", "direct", "gateway_no_queue")),
+                 "disconnect_aborts"):
         assert checks[name]["ok"], (name, checks[name])
-    assert checks["load_gateway"]["result"]["errors"] == 0 and checks["disconnect_aborts"]["result"]["tokens_generated"] < 1800
+    assert checks["load_gateway_cold"]["result"]["errors"] == 0 and checks["disconnect_aborts"]["result"]["tokens_generated"] < 1800
+    warm = summary["load_warm_median"]
+    assert set(warm) == {"gateway", "direct", "gateway_no_queue"} and all(w["runs"] == 3 and w["errors"] == 0 for w in warm.values())
     learnt = [json.loads(line) for line in (out / "balancer_state.jsonl").read_text().splitlines()]
     assert any(line.get("policy") == "min_expected_latency" and "tiny-chat#0" in line.get("backends", {}) for line in learnt)

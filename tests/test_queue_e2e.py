@@ -180,3 +180,63 @@ async def test_a_burst_after_a_quiet_spell_on_a_cold_engine_is_served_not_refuse
             assert shed_count(gw, keys.admin, "predicted") == before
             assert sim.stats()["peak_in_flight"] < 32  # some of every 32 waited in the gateway, not in the engine
             assert waiting(gw) == 0
+
+
+async def test_a_burst_after_direct_clients_left_is_not_held_back_by_their_old_gauges():
+    """The H200's warm rounds (deploy/gpu_smoke.py): 96 streams straight to the api_server, then 96
+    through the gateway. LMDeploy refreshes its load gauges every 10 s, so they still showed the
+    direct load after it ended: the backend looked full of others' work, the queue let one request at
+    a time through for 8 s and shed 53 of 96. A request that starts at once shows the gauges out of
+    date (gateway/routing/policies/expected_latency.py, ``_bound_external``)."""
+    keys = Keys()
+    args = ("--max-batch-size", "8", "--tpot", "0.02", "--ttft", "0.005", "--metrics-interval", "4")
+    with Sim(MODEL, *args, api_key="backend-secret") as sim:
+        config = {
+            "auth": {"keys": keys.entries},
+            "backends": [{"url": sim.url, "api_key": "backend-secret", "name": "sim-0"}],
+            "health": {"interval": 0.2, "timeout": 1.0},
+            "balancer": {"policy": "min_expected_latency", "slots": 8, "scrape_interval": 0.1,
+                         "queue": {"hold_wait": 0.1, "max_wait": {"interactive": 2}}},
+        }
+        with GatewayServer(config) as gw:
+            wait_until(lambda: all(b.healthy for b in gw.gateway.pool), 10, 0.02, "the backend healthy")
+            (backend,) = list(gw.gateway.pool)
+            model = gw.gateway.balancer._model(backend)
+            headers = {"authorization": "Bearer backend-secret"}
+            async with httpx.AsyncClient(base_url=sim.url, timeout=30, headers=headers) as direct:
+                async def long_direct(i: int) -> None:
+                    with contextlib.suppress(httpx.HTTPError):
+                        async with direct.stream("POST", "/v1/chat/completions", json=body(f"direct-{i}", 2000)) as r:
+                            async for _ in r.aiter_bytes():
+                                pass
+
+                clients = [asyncio.create_task(long_direct(i)) for i in range(24)]
+                try:  # until a gauge refresh has shown them (8 running, 16 waiting) and the gateway read it
+                    await asyncio.to_thread(wait_until, lambda: model.ext >= 16, 10, 0.02, "the direct load in the gauges")
+                finally:
+                    for t in clients:
+                        t.cancel()
+                    await asyncio.gather(*clients, return_exceptions=True)
+            # The direct clients are gone (the simulator aborts their requests); the gauges show them
+            # for up to 4 s more.
+            wait_until(lambda: sim.stats()["in_flight"] == 0, 5, 0.02, "the direct requests aborted")
+            assert model.ext >= 16 and model.signals is not None and model.signals.running == 8
+            before = shed_count(gw, keys.admin, "predicted"), shed_count(gw, keys.admin, "deadline")
+            peak = 0
+
+            async def watch() -> None:  # the most of ours on the backend at once during the burst
+                nonlocal peak
+                while True:
+                    peak = max(peak, len(model.inflight))
+                    await asyncio.sleep(0.01)
+
+            watcher = asyncio.create_task(watch())
+            async with httpx.AsyncClient(base_url=gw.url, timeout=30, limits=httpx.Limits(max_connections=40)) as client:
+                statuses = await asyncio.wait_for(
+                    asyncio.gather(*(send(client, keys.ui, body(f"burst-{i}", 16)) for i in range(32))), 30)
+            watcher.cancel()
+            codes = [s[0] for s in statuses]
+            assert codes == [200] * 32, f"{codes.count(503)} of 32 refused"
+            assert (shed_count(gw, keys.admin, "predicted"), shed_count(gw, keys.admin, "deadline")) == before
+            assert peak >= 8  # the backend's slots were used, not one at a time
+            assert waiting(gw) == 0

@@ -252,7 +252,8 @@ class Router:
             await reply(UPSTREAM_FAILED)
             return UPSTREAM_FAILED.status
         outcome.ttft = time.monotonic() - start
-        self.balancer.first_byte(b, req, outcome.ttft)
+        if self.balancer.first_byte(b, req, outcome.ttft) and self.queue is not None:
+            self.queue.wake(req.model)  # it joined the batch at once: the backend had room the policy had not counted
         self._observe_ttfb(kind, outcome.ttft)
         if response.status == 200:
             outcome.ok = True
@@ -301,7 +302,8 @@ class Router:
                 if slow or chunk[-1:] != b"\n":
                     if outcome.ttft is None:
                         outcome.ttft = time.monotonic() - start
-                        self.balancer.first_byte(b, req, outcome.ttft)
+                        if self.balancer.first_byte(b, req, outcome.ttft) and self.queue is not None:
+                            self.queue.wake(req.model)
                         self._observe_ttfb(ctx.route.kind, outcome.ttft)
                     slow = scan.read(chunk)
                 else:

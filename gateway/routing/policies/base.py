@@ -156,8 +156,10 @@ class Balancer:
     def dispatched(self, backend: Backend, req: RequestInfo) -> None:
         backend.in_flight += 1
 
-    def first_byte(self, backend: Backend, req: RequestInfo, ttft: float) -> None:
-        pass
+    def first_byte(self, backend: Backend, req: RequestInfo, ttft: float) -> bool:
+        """The response started. True when what the policy learnt from it frees capacity it had
+        counted as taken (the router then wakes the gateway queue)."""
+        return False
 
     def completed(self, backend: Backend, req: RequestInfo, outcome: Outcome) -> None:
         backend.in_flight -= 1

@@ -570,11 +570,11 @@ class ExpectedLatencyBalancer(Balancer):
         if req.prefix_keys and self.placements is not None:
             self.placements.record(backend.id, req.prefix_keys, int(prompt))
 
-    def first_byte(self, backend: Backend, req: RequestInfo, ttft: float) -> None:
+    def first_byte(self, backend: Backend, req: RequestInfo, ttft: float) -> bool:
         self._memo = None
         m = self._model(backend)
         if id(req) not in m.inflight or not req.stream:
-            return  # a non-streamed response's first byte is its end
+            return False  # a non-streamed response's first byte is its end
         now = self.clock()
         m.advance(now)
         if not req.first_byte_at and now:
@@ -582,13 +582,41 @@ class ExpectedLatencyBalancer(Balancer):
         req.first_byte_at = now
         req.area_at = m.area
         sigma = self.sigma(backend, self._fleet)
+        freed = False
         if m.slots is None and ttft > 0:
             self._learn_slots(m, req, ttft, sigma, now, m.ext + float(backend.remote_in_flight))  # ext no longer holds the replicas'
+        elif m.ext > 0.0 and ttft > 0 and self._late(m, req, ttft, sigma) <= 0.0:
+            freed = self._bound_external(m, req, sigma, backend.remote_in_flight)
         if req.prefill_ahead > 0 and ttft > 0:
             # Seconds of prefill per token per σ: TTFT less one decode step.
             prefill = max(0.0, ttft - sigma * (1.0 + self.gamma * m.batch()))
             self._rho_num = self.DECAY * self._rho_num + prefill / sigma
             self._rho_den = self.DECAY * self._rho_den + req.prefill_ahead
+        return freed
+
+    def _late(self, m: BackendModel, req: RequestInfo, ttft: float, sigma: float) -> float:
+        """How much later than its prefill and a few decode steps r's first byte came (> 0: it may
+        have waited in the engine's queue; <= 0: it joined the batch at once)."""
+        step = sigma * (1.0 + self.gamma * m.batch())
+        return ttft - 2.0 * self.rho * sigma * req.prefill_ahead - step - self.LATE_STEPS * step
+
+    def _bound_external(self, m: BackendModel, req: RequestInfo, sigma: float, remote: int) -> bool:
+        """r joined the batch at once. If ours sent before it, the other replicas' and the gauges'
+        others (``ext``) filled every slot, the gauges are out of date: they are a snapshot up to 10 s
+        old, and on the H200 direct clients' load that had ended stayed in them, the backend looked
+        full, the queue let one request at a time through for 8 s and shed 53 of 96 on a wait it
+        predicted from that trickle. Then ``ext`` is at most what left a slot for r, and half of that:
+        one contradicted claim makes the rest doubtful, the half leaves the queue room to send more,
+        and a few starts at once clear it (a real load beside ours shows again in the next snapshot;
+        until then, at worst, a few requests wait in the engine instead of here)."""
+        step = sigma * (1.0 + self.gamma * m.batch())
+        t0 = req.dispatched_at
+        ours = sum(1 for j in m.inflight.values() if j.first_byte_at or j.dispatched_at <= t0)
+        freed = sum(1 for t in m.done if t >= t0 - step)  # finished as r was sent: their slots were free
+        if m.slots is None or ours + remote + m.ext - freed <= m.slots:
+            return False  # the claim left r a slot: nothing contradicts it
+        m.ext = 0.5 * max(0.0, min(float(m.slots - ours - remote + freed), m.ext))
+        return True
 
     def _learn_slots(self, m: BackendModel, req: RequestInfo, ttft: float, sigma: float, now: float, ext: float) -> None:
         """A first byte that comes well after r's prefill (counted at twice the prediction, as ρ is
@@ -607,7 +635,7 @@ class ExpectedLatencyBalancer(Balancer):
         # 0.77-0.83 to 1.27-2.22 s (bench/routing/README.md, seventh pass).
         step = sigma * (1.0 + self.gamma * m.batch())
         self.lag.arm()
-        late = ttft - 2.0 * self.rho * sigma * req.prefill_ahead - step - self.LATE_STEPS * step
+        late = self._late(m, req, ttft, sigma)
         if late <= 0.0:
             return  # not late
         if late <= self.LAG_MARGIN * self.lag.lag():
