@@ -127,10 +127,7 @@ def process(argv: list[str], cpus: set[int] | None = None, **kw):
             proc.wait(5)
 
 
-LOAD_CPUS: set[int] | None = None  # --load-cpus: where wrk runs (set once by main)
-
-
-def wrk(url: str, concurrency: int, duration: float, body: bytes, key: str | None) -> dict[str, float]:
+def wrk(url: str, concurrency: int, duration: float, body: bytes, key: str | None, cpus: set[int] | None = None) -> dict[str, float]:
     lua = ['wrk.method = "POST"', 'wrk.headers["Content-Type"] = "application/json"', f"wrk.body = [[{body.decode()}]]"]
     if key:
         lua.append(f'wrk.headers["Authorization"] = "Bearer {key}"')
@@ -146,7 +143,7 @@ def wrk(url: str, concurrency: int, duration: float, body: bytes, key: str | Non
         threads = 1 if concurrency == 1 else 2
         out = subprocess.run(
             ["wrk", f"-t{threads}", f"-c{concurrency}", f"-d{max(1, int(duration))}s", "--timeout", "10s", "-s", script, url],
-            capture_output=True, text=True, timeout=duration + 60, preexec_fn=pinned(LOAD_CPUS),
+            capture_output=True, text=True, timeout=duration + 60, preexec_fn=pinned(cpus),
         ).stdout
     finally:
         os.unlink(script)
@@ -244,10 +241,9 @@ def main() -> None:
     ap.add_argument("--load-cpus", help="CPUs for wrk, the backend and redis-server, e.g. 2-15 (default: unpinned)")
     ap.add_argument("--backend-workers", type=int, default=1, help="fake backend processes (SO_REUSEPORT): more when it is the limit")
     args = ap.parse_args()
-    global LOAD_CPUS
-    args.proxy_cpus, LOAD_CPUS = cpu_list(args.proxy_cpus), cpu_list(args.load_cpus)
-    if args.proxy_cpus and LOAD_CPUS and args.proxy_cpus & LOAD_CPUS:
-        sys.exit(f"--proxy-cpus and --load-cpus overlap on {sorted(args.proxy_cpus & LOAD_CPUS)}")
+    args.proxy_cpus, args.load_cpus = cpu_list(args.proxy_cpus), cpu_list(args.load_cpus)
+    if args.proxy_cpus and args.load_cpus and args.proxy_cpus & args.load_cpus:
+        sys.exit(f"--proxy-cpus and --load-cpus overlap on {sorted(args.proxy_cpus & args.load_cpus)}")
     if shutil.which("wrk") is None:
         sys.exit("wrk is not installed (apt-get install wrk)")
     sys.path.insert(0, str(ROOT))
@@ -267,11 +263,11 @@ def main() -> None:
         if shutil.which("redis-server") is None:
             sys.exit("redis-server is not installed (apt-get install redis-server)")
         redis_port = free_port()
-        outer.enter_context(process(["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"], cpus=LOAD_CPUS))
+        outer.enter_context(process(["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"], cpus=args.load_cpus))
         wait_port(redis_port)
     redis_pid = next((p for p in descendants(os.getpid()) if b"redis-server" in Path(f"/proc/{p}/cmdline").read_bytes()), None) if redis_port else None
     with outer, process([sys.executable, "bench/fake_backend.py", "--port", str(backend_port), "--model", MODEL,
-                                 "--workers", str(args.backend_workers)], cpus=LOAD_CPUS):
+                                 "--workers", str(args.backend_workers)], cpus=args.load_cpus):
         wait_http(f"http://127.0.0.1:{backend_port}/health")
         # Every target is started once and paused (SIGSTOP) while another is measured, so the
         # measurements interleave: each round measures every target at one mode and concurrency
@@ -290,11 +286,11 @@ def main() -> None:
                     for target, url, k, pid in started:
                         resume(pid)
                         try:
-                            r = measure(target, url, k, pid, mode, b, c, args.duration, redis_port, redis_pid)
+                            r = measure(target, url, k, pid, mode, b, c, args.duration, redis_port, redis_pid, args.load_cpus)
                         finally:
                             pause(pid)
                         rows.append((target, mode, c, r))
-    report(rows, args.rounds, args.proxy_cpus)
+    report(rows, args.rounds, args.proxy_cpus, args.load_cpus)
 
 
 def pause(pid: int | None) -> None:
@@ -370,14 +366,14 @@ def start_target(target: str, stack: contextlib.ExitStack, args: argparse.Namesp
 
 
 def measure(target: str, url: str, k: str | None, pid: int | None, mode: str, body: bytes, c: int, duration: float,
-            redis_port: int | None, redis_pid: int | None) -> dict[str, float]:
+            redis_port: int | None, redis_pid: int | None, load_cpus: set[int] | None = None) -> dict[str, float]:
     """One wrk run after a 1-s warm-up (connections, caches, and the timers of a process just resumed)."""
-    wrk(url, c, 1.0, body, k)
+    wrk(url, c, 1.0, body, k, load_cpus)
     redis_row = redis_port is not None and "redis" in target
     cpu0 = tree_cpu_seconds(pid) if pid else 0.0
     rcmd0 = redis_commands(redis_port) if redis_row else 0
     rcpu0 = cpu_seconds(redis_pid) if redis_row and redis_pid else 0.0
-    r = wrk(url, c, duration, body, k)
+    r = wrk(url, c, duration, body, k, load_cpus)
     n = r["rps"] * max(1, int(duration))
     r["cpu_us"] = (tree_cpu_seconds(pid) - cpu0) / n * 1e6 if pid and n else float("nan")
     if redis_row and n:
@@ -388,7 +384,8 @@ def measure(target: str, url: str, k: str | None, pid: int | None, mode: str, bo
     return r
 
 
-def report(rows: list[tuple[str, str, int, dict[str, float]]], rounds: int, proxy_cpus: set[int] | None = None) -> None:
+def report(rows: list[tuple[str, str, int, dict[str, float]]], rounds: int, proxy_cpus: set[int] | None = None,
+           load_cpus: set[int] | None = None) -> None:
     """The table (medians over rounds when there are several), then each target's ratios to the peers."""
     runs: dict[tuple[str, str, int], list[dict[str, float]]] = {}
     for t, m, c, r in rows:
@@ -417,7 +414,7 @@ def report(rows: list[tuple[str, str, int, dict[str, float]]], rounds: int, prox
             print("\n".join(lines))
     if proxy_cpus:
         print(f"\n{os.cpu_count()} CPU cores; each proxy on CPUs {sorted(proxy_cpus)}, load generator, backend and redis-server on "
-              f"{sorted(LOAD_CPUS) if LOAD_CPUS else 'any'}.")
+              f"{sorted(load_cpus) if load_cpus else 'any'}.")
     else:
         print(f"\n{os.cpu_count()} CPU cores; load generator, backend and gateway share them.")
     print("cpu us/req: CPU time the proxy process spent per request (user + system), the cost that caps its throughput per core.")

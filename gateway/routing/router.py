@@ -128,6 +128,12 @@ class Router:
         self.disagg: Any = None  # routing.disagg.PDDispatcher when a model is served with serving: distserve
         self.queue: GatewayQueue | None = None  # late binding, priorities and shedding; set by the Gateway
 
+    def _first_byte(self, b: Backend, req: RequestInfo, kind: str, ttft: float) -> None:
+        """The response started: the policy learns from it, and the TTFB histogram records it."""
+        if self.balancer.first_byte(b, req, ttft) and self.queue is not None:
+            self.queue.wake(req.model)  # it joined the batch at once: the backend had room the policy had not counted
+        self._observe_ttfb(kind, ttft)
+
     def _observe_ttfb(self, kind: str, seconds: float) -> None:
         child = self._ttfb.get(kind)
         if child is None:
@@ -252,9 +258,7 @@ class Router:
             await reply(UPSTREAM_FAILED)
             return UPSTREAM_FAILED.status
         outcome.ttft = time.monotonic() - start
-        if self.balancer.first_byte(b, req, outcome.ttft) and self.queue is not None:
-            self.queue.wake(req.model)  # it joined the batch at once: the backend had room the policy had not counted
-        self._observe_ttfb(kind, outcome.ttft)
+        self._first_byte(b, req, kind, outcome.ttft)
         if response.status == 200:
             outcome.ok = True
             _read_usage(body, outcome, b.id)
@@ -302,9 +306,7 @@ class Router:
                 if slow or chunk[-1:] != b"\n":
                     if outcome.ttft is None:
                         outcome.ttft = time.monotonic() - start
-                        if self.balancer.first_byte(b, req, outcome.ttft) and self.queue is not None:
-                            self.queue.wake(req.model)
-                        self._observe_ttfb(ctx.route.kind, outcome.ttft)
+                        self._first_byte(b, req, ctx.route.kind, outcome.ttft)
                     slow = scan.read(chunk)
                 else:
                     if chunk.find(b'"usage"') >= 0:
