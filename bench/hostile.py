@@ -158,7 +158,7 @@ def main() -> None:
     args = ap.parse_args()
     lines = 5_000 if args.quick else args.header_lines
     sys.path.insert(0, str(ROOT))
-    from gateway.filters.auth import hash_key, new_key
+    from gateway.state.keys import hash_key, new_key
 
     key = new_key()
     tmp = Path(tempfile.mkdtemp(prefix="gw-hostile-"))

@@ -2,11 +2,8 @@
 
 Targets, all against the same very fast fake backend (bench/fake_backend.py):
   direct            the backend itself: the limit
-  gateway                  auth, path/body/media policy, balancer, our HTTP/1.1 client (the default),
-                           on our HTTP/1.1 server (gateway/server, the default)
-  gateway/uvicorn          the same on uvicorn (server.http: uvicorn), to weigh our server against it
-  gateway[aiohttp]         the same with an aiohttp ClientSession
-  (the httpx transports were dropped: they cannot enforce response framing, see gateway/upstream.py)
+  gateway           auth, path/body/media policy, balancer, our HTTP/1.1 client, on our HTTP/1.1
+                    server (gateway/server): the product has no other client or server
   lmdeploy-proxy    `lmdeploy serve proxy`, when lmdeploy is installed
   gateway+memory    the bench key with limits (rpm, tpm, concurrency): in-memory state store
   gateway+redis     the same limits in Redis (redis-server started by the bench): one round trip each
@@ -31,7 +28,7 @@ like this (a separate, git-ignored venv; the imports pull torch):
         transformers uvicorn aiohttp requests prometheus_client pillow safetensors sentencepiece \
         tiktoken einops partial_json_parser openai pybase64 pyzmq cloudpickle protobuf psutil openai_harmony
 
-    python bench/overhead.py [--duration 5] [--targets direct,gateway,gateway[aiohttp]] [--rounds 3]
+    python bench/overhead.py [--duration 5] [--targets direct,gateway,gateway+memory] [--rounds 3]
 
 Every target is started first and paused while the others are measured; with --rounds N each
 (mode, concurrency) cell is measured N times, the targets taking turns, and the table gives medians,
@@ -206,16 +203,14 @@ def redis_commands(port: int) -> int:
     return sum(v.get("calls", 0) for k, v in stats.items() if k in ("cmdstat_evalsha", "cmdstat_eval"))
 
 
-def gateway_config(path: Path, backend_port: int, key_hash: str, transport: str, http: str = "native", state: dict | None = None,
-                   limits: bool = True) -> None:
+def gateway_config(path: Path, backend_port: int, key_hash: str, state: dict | None = None, limits: bool = True) -> None:
     key = {"name": "bench", "hash": key_hash}
     if state is not None and limits:
         key.update(STATE_LIMITS)
     cfg = {
-        "server": {"log_level": "warning", "http": http},
+        "server": {"log_level": "warning"},
         "auth": {"keys": [key]},
         "backends": [{"url": f"http://127.0.0.1:{backend_port}", "models": [MODEL]}],
-        "upstream": {"transport": transport},
         "media": {"allowed_domains": ["images.example.com"]},
         "health": {"interval": 5},
     }
@@ -227,7 +222,7 @@ def gateway_config(path: Path, backend_port: int, key_hash: str, transport: str,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--duration", type=float, default=5.0, help="seconds per measurement")
-    ap.add_argument("--targets", default="direct,gateway,gateway/uvicorn,gateway[aiohttp],lmdeploy-proxy")
+    ap.add_argument("--targets", default="direct,gateway,lmdeploy-proxy")
     ap.add_argument("--concurrency", default="1,32")
     ap.add_argument("--rounds", type=int, default=1,
                     help="measure every target this many times, interleaved; the table gives medians and the ratios to the peers their range")
@@ -247,7 +242,7 @@ def main() -> None:
     if shutil.which("wrk") is None:
         sys.exit("wrk is not installed (apt-get install wrk)")
     sys.path.insert(0, str(ROOT))
-    from gateway.filters.auth import new_key
+    from gateway.state.keys import new_key
 
     key = new_key()
     targets = args.targets.split(",")
@@ -308,7 +303,7 @@ def resume(pid: int | None) -> None:
 def start_target(target: str, stack: contextlib.ExitStack, args: argparse.Namespace, tmp: Path, backend_port: int,
                  redis_port: int | None, key: str) -> tuple[str, str | None, int | None] | None:
     """Start one target; its process is stopped by ``stack``. Returns (url, key, pid), or None when skipped."""
-    from gateway.filters.auth import hash_key
+    from gateway.state.keys import hash_key
 
     if target == "direct":
         return f"http://127.0.0.1:{backend_port}/v1/chat/completions", None, None
@@ -319,17 +314,15 @@ def start_target(target: str, stack: contextlib.ExitStack, args: argparse.Namesp
         # a prefix per target: targets sharing one would be replicas of each other (one's load seen by the other's balancer)
         state = {} if variant == "memory" else {"redis_url": f"redis://127.0.0.1:{redis_port}/0", "prefix": f"bench-{variant}"}
         cfg = tmp / f"state-{variant}.yaml"
-        gateway_config(cfg, backend_port, hash_key(key), "native", state=state, limits="-open" not in variant)
+        gateway_config(cfg, backend_port, hash_key(key), state=state, limits="-open" not in variant)
         workers = ["--workers", "2"] if variant.endswith("-w2") else ["--workers", "2", "--pin-workers"] if variant.endswith("-w2pin") else []
         pid = stack.enter_context(process([sys.executable, "-m", "gateway", "serve", "--config", str(cfg), "--port", str(port), *workers], cpus=args.proxy_cpus)).pid
         for _ in range(20):  # fresh connections reach every worker: all of them must be up
             wait_http(f"http://127.0.0.1:{port}/ready", timeout=60)
         return url, key, pid
-    if target.startswith("gateway"):
-        name, _, http = target.partition("/")  # gateway[transport]/server
-        transport = name[len("gateway["):-1] if "[" in name else "native"
-        cfg = tmp / f"{transport}-{http or 'native'}.yaml"
-        gateway_config(cfg, backend_port, hash_key(key), transport, http or "native")
+    if target == "gateway":
+        cfg = tmp / "gateway.yaml"
+        gateway_config(cfg, backend_port, hash_key(key))
         pid = stack.enter_context(process([sys.executable, "-m", "gateway", "serve", "--config", str(cfg), "--port", str(port)], cpus=args.proxy_cpus)).pid
         wait_http(f"http://127.0.0.1:{port}/ready")
         return url, key, pid
@@ -379,8 +372,9 @@ def measure(target: str, url: str, k: str | None, pid: int | None, mode: str, bo
     if redis_row and n:
         r["redis_cmds"] = (redis_commands(redis_port) - rcmd0) / n
         r["redis_cpu_us"] = (cpu_seconds(redis_pid) - rcpu0) / n * 1e6 if redis_pid else float("nan")
-        print(f"  {'':22} redis: {r['redis_cmds']:.2f} scripts/req (one per key per write: the admissions of one key asked for together share a call, and the settles that ended meanwhile ride in it), redis-server cpu/req {r['redis_cpu_us']:.0f} us")
     print(f"  {target:22} {mode:6} c={c:<3} {r['rps']:9.0f} req/s  p50 {r['p50_ms']:.3f} ms  p99 {r['p99_ms']:.3f} ms  cpu/req {r['cpu_us']:.0f} us  errors {r['errors']}", flush=True)
+    if "redis_cmds" in r:  # after its own row, not above the next one's
+        print(f"  {'':22} redis: {r['redis_cmds']:.2f} scripts/req (one per key per write: the admissions of one key asked for together share a call, and the settles that ended meanwhile ride in it), redis-server cpu/req {r['redis_cpu_us']:.0f} us", flush=True)
     return r
 
 

@@ -53,7 +53,7 @@ class _Ctx:
 
 async def run(store_kind: str, redis_url: str | None, requests: int, concurrency: int, redis_pid: int | None, redis_port: int = 0) -> None:
     from gateway.config import parse_config
-    from gateway.filters.auth import hash_key, new_key
+    from gateway.state.keys import hash_key, new_key
     from gateway.filters.limits import RateLimit
     from gateway.state import make_store
 

@@ -4,7 +4,6 @@ One simulated api_server (``python -m gateway.sim``, fixed timing), reached thre
   direct           the simulator itself
   gateway          ``gateway serve`` with the default config (our HTTP/1.1 server, our upstream client,
                    min_expected_latency with the gateway queue on)
-  gateway/uvicorn  the same app on uvicorn, as the routing bench served it until it moved to our server
   gateway@TREE     ``gateway serve`` from another checkout (e.g. ``git archive main | tar -x -C TREE``):
                    before and after a change, in one run
 
@@ -91,10 +90,10 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--ttft", type=float, default=0.02, help="the simulator's fixed latency before the engine")
     ap.add_argument("--tpot", type=float, default=0.005, help="the simulator's decode step")
-    ap.add_argument("--targets", default="direct,gateway,gateway/uvicorn")
+    ap.add_argument("--targets", default="direct,gateway")
     ap.add_argument("--prompt-chars", type=int, default=0, help="a longer prompt (the routing bench's are 1-4k chars): per-request work that grows with it")
     args = ap.parse_args()
-    from gateway.filters.auth import hash_key, new_key
+    from gateway.state.keys import hash_key, new_key
 
     key = new_key()
     prompt = "Say hello in one short sentence."
@@ -113,11 +112,10 @@ def main() -> None:
             if t == "direct":
                 ports[t] = (sim_port, None)
                 continue
-            name, _, tree = t.partition("@")
-            http = name.partition("/")[2] or "native"
+            tree = t.partition("@")[2]
             port = free_port()
-            cfg = tmp / f"{http}-{port}.yaml"
-            gateway_config(cfg, sim_port, hash_key(key), "native", http)
+            cfg = tmp / f"gateway-{port}.yaml"
+            gateway_config(cfg, sim_port, hash_key(key))
             # Another checkout's package first on the path (ahead of this one's editable install).
             entry = ["-c", f"import sys, runpy; sys.path.insert(0, {tree!r}); runpy.run_module('gateway', run_name='__main__')"] if tree else ["-m", "gateway"]
             stack.enter_context(process([sys.executable, *entry, "serve", "--config", str(cfg), "--port", str(port)]))

@@ -99,13 +99,12 @@ def rss_kib(pid: int, field: str = "VmRSS") -> int:
     return 0
 
 
-def run_gateway(checkout: Path, backend: Backend, transport: str) -> dict:
+def run_gateway(checkout: Path, backend: Backend) -> dict:
     port = free_port()
     cfg = {
         "server": {"host": "127.0.0.1", "port": port},
         "auth": {"disabled": True},
         "backends": [{"url": f"http://127.0.0.1:{backend.port}", "name": "b", "models": ["m"]}],
-        "upstream": {"transport": transport},
         "balancer": {"retries": 0},
         "health": {"interval": 0.2},
     }
@@ -160,16 +159,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--baseline", type=Path, default=None, help="another checkout to run the same way, side by side")
     ap.add_argument("--mb", type=int, default=300)
-    ap.add_argument("--transports", default="native,aiohttp")
     args = ap.parse_args()
     backend = Backend(args.mb)
     targets = [("this", ROOT)] + ([("baseline", args.baseline)] if args.baseline else [])
-    print(f"{'checkout':<10} {'transport':<9} {'status':>6} {'client MiB':>10} {'backend MiB':>11} {'RSS +MiB':>9} {'s':>6}  injected->client")
+    print(f"{'checkout':<10} {'status':>6} {'client MiB':>10} {'backend MiB':>11} {'RSS +MiB':>9} {'s':>6}  injected->client")
     for name, checkout in targets:
-        for transport in args.transports.split(","):
-            r = run_gateway(checkout, backend, transport)
-            print(f"{name:<10} {transport:<9} {r['status']:>6} {r['client_bytes'] / (1 << 20):>10.1f} {r['backend_sent_mib']:>11.1f} "
-                  f"{r['rss_growth_mib']:>9.1f} {r['seconds']:>6.2f}  {r['injected_reached_client']}")  # fmt: skip
+        r = run_gateway(checkout, backend)
+        print(f"{name:<10} {r['status']:>6} {r['client_bytes'] / (1 << 20):>10.1f} {r['backend_sent_mib']:>11.1f} "
+              f"{r['rss_growth_mib']:>9.1f} {r['seconds']:>6.2f}  {r['injected_reached_client']}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -441,7 +441,7 @@ def main() -> int:
     sys.path.insert(0, str(REPO))
     RESULTS["versions"] = versions()
     say(f"engine={ENGINE} budget={BUDGET:.0f}s work={WORK} out={OUT} versions={json.dumps(RESULTS['versions'])}")
-    from gateway.filters.auth import hash_key, new_key
+    from gateway.state.keys import hash_key, new_key
 
     keys = {"user": new_key(), "admin": new_key(), "listener": new_key()}
     hashes = {k: hash_key(v) for k, v in keys.items()}

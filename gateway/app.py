@@ -2,7 +2,7 @@
 
 ``Gateway`` owns the long-lived objects (pool, balancer, upstream client, launcher, filters);
 ``Gateway.asgi()`` is the ASGI app. Start-up starts health checks and launched backends;
-shut-down (after uvicorn has drained in-flight requests) stops them.
+shut-down (after the server has drained in-flight requests) stops them.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from .routing.signals import MetricsScraper, Signals
 from .state import make_store
 from .state.reload import KeysFileWatcher
 from .tracing import Tracing
-from .upstream import Upstream, make_client, make_upstream
+from .upstream import NativeUpstream, Upstream, make_client
 
 log = logging.getLogger("gateway")
 
@@ -155,8 +155,7 @@ class Gateway:
             self.cluster.start()  # before the store starts: it subscribes to the cluster's channel too
         await self.store.start()
         self.keys_file.start()
-        up = self.config.upstream
-        self.upstream = make_upstream(up.transport, self.config.timeouts, up.max_connections, up)
+        self.upstream = NativeUpstream(self.config.timeouts, self.config.upstream)
         self.router.upstream = self.upstream
         if self.disagg is not None:
             self.disagg.upstream = self.upstream

@@ -1,4 +1,4 @@
-"""Command line: ``gateway serve | check-config | keys | usage | sim``.
+"""Command line: ``gateway serve | check-config | config | keys | usage | sim``.
 
 ``check-config`` runs exactly the validation ``serve`` runs. Configuration problems are printed
 all at once, one per line, and exit with status 2: never a traceback.
@@ -36,6 +36,13 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_config(args: argparse.Namespace) -> int:
+    from .config.reference import reference, schema_text
+
+    sys.stdout.write(reference() if args.what == "reference" else schema_text())
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     cfg = _load(args.config)
     if cfg is None:
@@ -68,8 +75,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"gateway serve: {busy}; is another gateway running? Stop it, or choose another port (admin.port)", file=sys.stderr)
         return 1
     signal.signal(signal.SIGHUP, _on_sighup)  # a closed terminal must not stop the gateway without a word
-    if cfg.server.http == "uvicorn":
-        return _serve_uvicorn(cfg, host, port, args.worker_index, internal_key)
     from . import server
 
     if args.worker_index is not None:  # one of N workers: its own SO_REUSEPORT socket on the shared port
@@ -103,46 +108,8 @@ def _read_key_pipe(fd: int) -> str:
         raise SystemExit(f"gateway serve: no usable internal key on --internal-key-fd {fd} ({exc}); only `gateway serve --workers N` sets it") from None
 
 
-def _serve_uvicorn(cfg: GatewayConfig, host: str, port: int, worker_index: int | None, internal_key: str | None = None) -> int:
-    """uvicorn, kept only to be measured against (bench/overhead.py): it enforces none of server.max_*."""
-    import uvicorn
-
-    from .app import Gateway
-
-    sock = None
-    if worker_index is not None:
-        from .workers import worker_setup
-
-        cfg, sock = worker_setup(cfg, worker_index, host, port)
-    gateway = Gateway(cfg)
-    gateway.follow_backends = bool(worker_index)
-    gateway.internal_key = internal_key
-    config = uvicorn.Config(
-        gateway.asgi(),
-        host=host,
-        port=port,
-        loop="uvloop",
-        http="httptools",
-        lifespan="on",
-        access_log=False,  # ours (server.access_log) names keys by id and never logs query strings
-        log_level=cfg.server.log_level,
-        log_config=None,  # uvicorn's lines go through our handler (and format) too
-        timeout_graceful_shutdown=int(cfg.timeouts.drain) or None,
-        timeout_keep_alive=int(cfg.server.keepalive_timeout) or 1,
-        server_header=False,
-        date_header=False,
-        proxy_headers=False,
-    )
-    server = uvicorn.Server(config)
-    try:
-        server.run(sockets=[sock] if sock is not None else None)
-    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its clean shutdown
-        return 130
-    return 0 if server.started else 1
-
-
 def cmd_keys_hash(args: argparse.Namespace) -> int:
-    from .filters.auth import hash_key
+    from .state.keys import hash_key
 
     key = sys.stdin.readline().strip() if args.key == "-" else args.key
     print(hash_key(key))
@@ -171,7 +138,7 @@ def _on_sighup(signum: int, frame: object) -> None:
 
 def cmd_admin_key(args: argparse.Namespace) -> int:
     """A new admin-listener key, as env-file lines: the key for you (and Prometheus), its hash for the config."""
-    from .filters.auth import hash_key, new_key
+    from .state.keys import hash_key, new_key
 
     key = new_key()
     print(f"ADMIN_KEY={key}\nADMIN_KEY_HASH={hash_key(key)}")
@@ -205,6 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check-config", help="validate a config file exactly as serve does, and exit")
     p.add_argument("config")
     p.set_defaults(func=cmd_check_config)
+
+    p = sub.add_parser("config", help="print the configuration reference (Markdown) or its JSON Schema, both generated from the settings")
+    p.add_argument("what", choices=("reference", "schema"))
+    p.set_defaults(func=cmd_config)
 
     keys = sub.add_parser("keys", help="manage API keys").add_subparsers(dest="keys_command", required=True)
     from .state.admin import add_commands as add_key_commands

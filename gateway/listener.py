@@ -25,7 +25,7 @@ from typing import Any, Awaitable, Callable
 from . import logs, metrics, tracing
 from .errors import Refusal, model_not_found
 from .filters import RequestContext
-from .filters.auth import ApiKeyAuth, key_id, model_allowed
+from .filters.auth import ApiKeyAuth, model_allowed
 from .filters.uploads import UPLOAD_BUSY, UploadBudget, UploadGrant
 from .filters.body import BodyPolicy
 from .filters.cors import CorsPolicy
@@ -39,6 +39,7 @@ from .responses import Receive, Scope, Send, refuse, send_json
 from .routes import RouteAccess
 from .routing.router import Router
 from .server.protocol import DISCONNECT_EXTENSION
+from .state.keys import key_id
 from .upstream import FORWARD_REQUEST_HEADERS
 
 log = logging.getLogger("gateway.listener")

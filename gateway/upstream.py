@@ -1,18 +1,16 @@
 """The pooled upstream client and the byte-level relay of responses.
 
-One client per process, chosen by ``upstream.transport`` and measured side by side in
-``bench/overhead.py``:
+One client per process: ``NativeUpstream``, our keep-alive HTTP/1.1 client on asyncio +
+httptools (``h1.py``), the leanest hot path (``bench/overhead.py`` measures what it adds).
+``Upstream`` is its base: the deadlines and the limits that any client must keep (the tests'
+fake upstream is the other subclass).
 
-- ``native`` (default): our keep-alive HTTP/1.1 client on asyncio + httptools (``h1.py``). The
-  leanest hot path.
-- ``aiohttp``: an aiohttp ``ClientSession`` used directly, with the request URL of each
-  (backend, route) pair built once; kept to be measured against.
-
-The httpx transports (``httpx``, ``httpx-aiohttp``) were dropped: they cannot hold the framing
-rule below. httpcore's h11 keeps bytes past the end of a response in its buffer and parses them
-as the answer to the *next* request on that connection (an injected response reached another
-client in tests/test_untrusted_backends.py), and httpx-aiohttp lets aiohttp's parser errors
-escape as non-httpx exceptions. httpx remains the control-plane client (health, metrics, models).
+The httpx transports (``httpx``, ``httpx-aiohttp``) were dropped from the data plane: they cannot
+hold the framing rule below. httpcore's h11 keeps bytes past the end of a response in its buffer
+and parses them as the answer to the *next* request on that connection (an injected response
+reached another client in tests/test_untrusted_backends.py), and httpx-aiohttp lets aiohttp's
+parser errors escape as non-httpx exceptions. httpx on aiohttp's transport (``make_client``)
+remains the control-plane client (health, metrics, models); ``control_call`` bounds its reads.
 
 The URL is always a backend base plus a constant route path. Timeouts: connect, first byte
 (response headers, and the first body chunk) and idle between chunks. Streams are relayed
@@ -22,9 +20,8 @@ Backends are untrusted (``UpstreamLimits``): only a final status (200-599) is a 
 head is bounded in bytes and header count; a whole response is read up to
 ``max_response_bytes``; a stream may not go ``max_line_bytes`` without a newline. Anything else
 is an ``UpstreamInvalid`` and the connection is closed, never reused. Framing (bytes after a
-complete response) is checked by the transport: ``h1.py`` closes such a connection the moment
-the bytes arrive; aiohttp refuses to reuse a connection with unread or unparsed bytes
-(``ResponseHandler.should_close``) and fails a response followed by garbage.
+complete response) is checked by the client: ``h1.py`` closes such a connection the moment
+the bytes arrive.
 """
 
 from __future__ import annotations
@@ -37,7 +34,6 @@ from urllib.parse import urlsplit
 import aiohttp
 import httpx
 from httpx_aiohttp import AiohttpTransport
-from yarl import URL
 
 from ._compat import timeout as _timeout
 from .config import TimeoutsConfig, UpstreamConfig
@@ -48,7 +44,6 @@ from .h1 import Timeout as H1Timeout
 FORWARD_REQUEST_HEADERS = (b"accept", b"anthropic-version", b"anthropic-beta")
 # Response headers a client may see from a backend.
 FORWARD_RESPONSE_HEADERS = frozenset((b"content-type", b"retry-after"))
-TRANSPORTS = ("native", "aiohttp")
 EVENTS_PER_LINE = 4  # an SSE event may hold a few lines of the longest size
 _KEEPALIVE = 4.0  # below uvicorn's 5 s default, so we close idle sockets before the backend does
 
@@ -76,7 +71,7 @@ class UpstreamInvalid(UpstreamFailure):
 
 
 class UpstreamResponse:
-    """What the router needs of a response, whatever the transport."""
+    """What the router needs of a response, whatever the client."""
 
     __slots__ = ("status", "headers", "declared_length", "_chunks", "_close", "_max_line", "_lined", "_whole", "_spoil")
 
@@ -187,11 +182,6 @@ class Upstream:
             raise UpstreamInvalid(f"status_{response.status}" if 100 <= response.status <= 199 else "bad_status")
         return response
 
-    def _check_head(self, header_count: int) -> None:
-        """For transports whose own parser does not count headers."""
-        if header_count > self.limits.max_headers:
-            raise UpstreamInvalid("too_many_headers")
-
     async def _bounded(self, raw: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         """Chunks, the first within the first-byte deadline, then each within the idle deadline.
 
@@ -256,72 +246,6 @@ class Upstream:
 
     async def aclose(self) -> None:
         raise NotImplementedError
-
-
-def _aiohttp_head_limits(limits: UpstreamConfig) -> dict[str, int]:
-    """aiohttp bounds each header line and the count; with both, the head is bounded too."""
-    per_line = max(1024, min(8190, limits.max_header_bytes))
-    return {"max_line_size": per_line, "max_field_size": per_line, "max_headers": limits.max_headers}
-
-
-class AiohttpUpstream(Upstream):
-    def __init__(self, timeouts: TimeoutsConfig, max_connections: int, limits: UpstreamConfig | None = None):
-        super().__init__(timeouts, limits)
-        connector = aiohttp.TCPConnector(limit=max_connections, limit_per_host=0, keepalive_timeout=_KEEPALIVE, ttl_dns_cache=300)
-        self.session = aiohttp.ClientSession(
-            connector=connector,
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent", "Accept-Encoding"),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect, connect=timeouts.connect),
-            cookie_jar=aiohttp.DummyCookieJar(),
-            **_aiohttp_head_limits(self.limits),
-        )
-        self._urls: dict[str, URL] = {}
-
-    async def _send(self, url: str, payload: bytes, headers: list[tuple[bytes, bytes]]) -> UpstreamResponse:
-        u = self._urls.get(url)
-        if u is None:
-            u = self._urls[url] = URL(url, encoded=True)  # our own constant: no normalisation needed
-        hdrs = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers]
-        try:
-            resp = await self.session.request("POST", u, data=payload, headers=hdrs, allow_redirects=False)
-        except aiohttp.ClientConnectorError as exc:
-            if isinstance(exc.__cause__, asyncio.TimeoutError) or isinstance(exc, aiohttp.ConnectionTimeoutError):
-                raise UpstreamTimeout("connect") from None
-            raise UpstreamFailure("connect_refused") from None
-        except (aiohttp.ConnectionTimeoutError, aiohttp.ServerTimeoutError):
-            raise UpstreamTimeout("connect") from None
-        except aiohttp.ClientResponseError as exc:  # the head broke a parser limit or the grammar
-            raise UpstreamInvalid("headers_too_large" if "too large" in str(exc).lower() else "malformed") from None
-        except (aiohttp.ClientError, OSError):
-            raise UpstreamFailure("reset") from None
-
-        async def raw() -> AsyncIterator[bytes]:
-            try:
-                while True:
-                    chunk = await resp.content.readany()
-                    if not chunk:
-                        return
-                    yield chunk
-            except (aiohttp.ClientError, OSError):
-                raise UpstreamFailure("reset") from None
-
-        async def close() -> None:
-            if resp.content.at_eof():
-                resp.release()
-            else:
-                resp.close()  # drop the connection: the backend sees its client leave and stops generating
-
-        if len(resp.raw_headers) > self.limits.max_headers:
-            resp.close()
-            self._check_head(len(resp.raw_headers))
-        headers_out = [(k.lower(), v) for k, v in resp.raw_headers if k.lower() in FORWARD_RESPONSE_HEADERS]
-        return UpstreamResponse(
-            resp.status, headers_out, lambda: self._bounded(raw()), close, resp.content_length, self.limits.max_line_bytes
-        )
-
-    async def aclose(self) -> None:
-        await self.session.close()
 
 
 class NativeUpstream(Upstream):
@@ -440,8 +364,9 @@ async def control_call(
         return r.status_code, bytes(body)
 
 
-def make_client(timeouts: TimeoutsConfig, max_connections: int = 256, transport_name: str = "httpx-aiohttp") -> httpx.AsyncClient:
-    """The control-plane httpx client (health checks, metrics scraping, model discovery)."""
+def make_client(timeouts: TimeoutsConfig, max_connections: int = 256, transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
+    """The control-plane httpx client (health checks, metrics scraping, model discovery), on
+    aiohttp's transport; a test may hand it another ``transport`` (httpx's own, for respx)."""
     limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections, keepalive_expiry=_KEEPALIVE)
     common = dict(
         timeout=httpx.Timeout(connect=timeouts.connect, read=None, write=None, pool=timeouts.connect),
@@ -449,8 +374,8 @@ def make_client(timeouts: TimeoutsConfig, max_connections: int = 256, transport_
         follow_redirects=False,
         trust_env=False,
     )
-    if transport_name == "httpx":
-        return httpx.AsyncClient(limits=limits, **common)  # type: ignore[arg-type]
+    if transport is not None:
+        return httpx.AsyncClient(transport=transport, **common)  # type: ignore[arg-type]
 
     def session() -> aiohttp.ClientSession:
         connector = aiohttp.TCPConnector(limit=max_connections, limit_per_host=0, keepalive_timeout=_KEEPALIVE, ttl_dns_cache=300)
@@ -458,11 +383,3 @@ def make_client(timeouts: TimeoutsConfig, max_connections: int = 256, transport_
 
     transport = AiohttpTransport(limits=limits, client=session, trust_env=False)
     return httpx.AsyncClient(transport=transport, **common)  # type: ignore[arg-type]
-
-
-def make_upstream(transport: str, timeouts: TimeoutsConfig, max_connections: int, limits: UpstreamConfig | None = None) -> Upstream:
-    if transport == "native":
-        return NativeUpstream(timeouts, limits)
-    if transport == "aiohttp":
-        return AiohttpUpstream(timeouts, max_connections, limits)
-    raise ValueError(f"unknown upstream transport {transport!r}; valid: {', '.join(TRANSPORTS)}")

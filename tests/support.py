@@ -24,7 +24,7 @@ import httpx
 from gateway import server as http_server
 from gateway.app import Gateway
 from gateway.config import parse_config
-from gateway.filters.auth import hash_key, new_key
+from gateway.state.keys import hash_key, new_key
 from gateway.launcher.guard import group_members
 from gateway.sim.process import SimProcess, free_port
 

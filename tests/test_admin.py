@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from gateway.config import ConfigError, parse_config
-from gateway.filters.auth import hash_key, new_key
+from gateway.state.keys import hash_key, new_key
 from support import GatewayServer, Sim, free_port, gateway_config, wait_until
 
 pytestmark = pytest.mark.e2e

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from gateway.config import ConfigError, parse_config
-from gateway.config.balancer import POLICIES, BalancerConfig
+from gateway.config.balancer import POLICIES, BalancerConfig, QueueConfig
 from gateway.routing.policies import (
     ExpectedLatencyBalancer,
     LeastLoad,
@@ -42,12 +42,19 @@ def backends(*ids: str) -> list[Backend]:
     return [Backend(id=i, url=f"http://{i}.invalid", models=frozenset({"m"}), healthy=True) for i in ids]
 
 
+# The policy's constants that were balancer settings until issue 33: a test sets them on its own
+# instance (``mel(others_weight=1.0)`` sets ``OTHERS_WEIGHT``), never on the class.
+CONSTANTS = ("affinity_bound", "affinity_min_tokens", "affinity_ttl", "slow_start", "kv_penalty", "others_weight", "others_load", "ttft_weight")
+
+
 def mel(clock: Clock | None = None, seed: int = 0, **cfg) -> ExpectedLatencyBalancer:
-    cfg.setdefault("slow_start", 0.0)
-    cfg.setdefault("others_weight", 0.0)  # the request's own latency only, unless a test asks
-    cfg.setdefault("others_load", 0.0)
+    knobs = {"slow_start": 0.0, "others_weight": 0.0, "others_load": 0.0}  # the request's own latency only, unless a test asks
+    knobs.update({k: cfg.pop(k) for k in CONSTANTS if k in cfg})
     b = make_balancer("min_expected_latency", BalancerConfig(**cfg), clock=clock or Clock(), rng=random.Random(seed))
     assert isinstance(b, ExpectedLatencyBalancer)
+    for k, v in knobs.items():
+        assert hasattr(b, k.upper()), k
+        setattr(b, k.upper(), v)
     return b
 
 
@@ -93,12 +100,8 @@ def test_default_policy_is_min_expected_latency():
         ({"retries": 9}, "balancer.retries: 9 is out of range"),
         ({"scrape_interval": 0.01}, "balancer.scrape_interval: 0.01 is too short"),
         ({"scrape_interval": -1}, "balancer.scrape_interval: -1 is out of range"),
-        ({"affinity_bound": -0.1}, "balancer.affinity_bound"),
-        ({"affinity_ttl": 0}, "balancer.affinity_ttl"),
-        ({"slow_start": "soon"}, "balancer.slow_start: expected a number"),
-        ({"affinty_bound": 0.2}, "unknown field (did you mean 'affinity_bound'?)"),
-        ({"others_load": -0.5}, "balancer.others_load: -0.5 is out of range"),
-        ({"tail_limit": -1}, "balancer.tail_limit: -1 is out of range"),
+        ({"slots": 0}, "balancer.slots: 0 is out of range"),
+        ({"polcy": "random"}, "balancer.polcy: unknown field (did you mean 'policy'?)"),
     ],
 )
 def test_invalid_balancer_config_is_refused_with_a_clear_message(section, message):
@@ -112,16 +115,68 @@ def test_invalid_balancer_config_is_refused_with_a_clear_message(section, messag
     [
         ({"policy": " Least_In_Flight "}, "policy", "least_in_flight"),
         ({"scrape_interval": 0}, "scrape_interval", 0.0),
-        ({"affinity_bound": 0}, "affinity_bound", 0.0),
-        ({"slow_start": 10}, "slow_start", 10.0),
-        ({"kv_penalty": 0}, "kv_penalty", 0.0),
-        ({"others_load": 0}, "others_load", 0.0),
-        ({"tail_limit": 12}, "tail_limit", 12.0),
+        ({"retries": 0}, "retries", 0),
+        ({"slots": 32}, "slots", 32),
     ],
 )
 def test_valid_balancer_config_is_read(section, field, value):
     cfg = parse_config({"auth": {"disabled": True}, "backends": [{"url": "http://127.0.0.1:1"}], "balancer": section})
     assert getattr(cfg.balancer, field) == value
+
+
+# Issue 33: balancer and balancer.queue keep 7 settings; each one retired says what replaced it.
+RETIRED = [
+    ("affinity_bound", "an internal constant now (1.0), see gateway/routing/policies/expected_latency.py"),
+    ("affinity_min_tokens", "an internal constant now (64 tokens), see gateway/routing/policies/expected_latency.py"),
+    ("affinity_ttl", "an internal constant now (600 s), see gateway/routing/policies/expected_latency.py"),
+    ("slow_start", "an internal constant now (30 s), see gateway/routing/policies/expected_latency.py"),
+    ("kv_penalty", "an internal constant now (0.15 s), see gateway/routing/policies/least_load.py"),
+    ("others_weight", "an internal constant now (1.5), see gateway/routing/policies/expected_latency.py"),
+    ("others_load", "an internal constant now (0.15), see gateway/routing/policies/expected_latency.py"),
+    ("ttft_weight", "an internal constant now (8), see gateway/routing/policies/expected_latency.py"),
+    ("objective", "the policy always minimises end-to-end latency + 8 x TTFT; remove this line"),
+    ("ttft_slack", "e2e_within_ttft, which is gone"),
+    ("tail_limit", "the opt-in tail guard (off by default) is gone; remove this line"),
+    ("queue.hold_wait", "an internal constant now (0.5 s), see gateway/routing/queue.py"),
+    ("queue.quantum", "an internal constant now (1024 tokens), see gateway/routing/queue.py"),
+    ("queue.reserve", "an internal constant now (0.75), see gateway/routing/queue.py"),
+    ("queue.kv_reserve", "an internal constant now (0.85), see gateway/routing/queue.py"),
+    ("queue.keep_share", "an internal constant now (1.5), see gateway/routing/queue.py"),
+    ("queue.pd_keep_share", "an internal constant now (1.0), see gateway/routing/disagg.py"),
+    ("queue.default_max_wait", "takes the wait of the nearest named class below it"),
+]
+
+
+def _balancer_problems(section: dict) -> list[str]:
+    with pytest.raises(ConfigError) as exc:
+        parse_config({"auth": {"disabled": True}, "backends": [{"url": "http://127.0.0.1:1"}], "balancer": section})
+    return exc.value.problems
+
+
+@pytest.mark.parametrize("key, replaced_by", RETIRED)
+def test_a_retired_balancer_setting_is_an_error_that_says_what_replaced_it(key, replaced_by):
+    section: dict = {"queue": {key.removeprefix("queue."): 1}} if key.startswith("queue.") else {key: 1}
+    (problem,) = _balancer_problems(section)
+    assert problem.startswith(f"balancer.{key}: this setting was retired; ")
+    assert replaced_by in problem and "valid fields" not in problem
+
+
+def test_the_retired_list_is_every_setting_that_went():
+    assert {k for k, _ in RETIRED} == set(BalancerConfig.RETIRED) | {"queue." + k for k in QueueConfig.RETIRED}
+    kept = {f.name for f in dataclasses.fields(BalancerConfig)} - {"queue"}
+    kept_queue = {f.name for f in dataclasses.fields(QueueConfig)}
+    assert kept == {"policy", "retries", "slots", "scrape_interval"} and kept_queue == {"enabled", "max_wait", "max_queued"}
+
+
+@pytest.mark.parametrize(
+    "section, message",
+    [
+        ({"retires": 2}, "balancer.retires: unknown field (did you mean 'retries'?); valid fields: policy, queue, retries, scrape_interval, slots"),
+        ({"queue": {"max_wiat": {"batch": 5}}}, "balancer.queue.max_wiat: unknown field (did you mean 'max_wait'?); valid fields: enabled, max_queued, max_wait"),
+    ],
+)
+def test_an_unknown_balancer_key_is_still_an_unknown_field_with_did_you_mean(section, message):
+    assert _balancer_problems(section) == [message]
 
 
 # -- the baselines ---------------------------------------------------------------------------------
@@ -351,7 +406,7 @@ def _load_wins_over_affinity(bal, bs, clock):
 
 
 def _returning_backend_ramps_up(bal, bs, clock):
-    bal.config = BalancerConfig(slow_start=30.0)
+    bal.SLOW_START = ExpectedLatencyBalancer.SLOW_START  # the default, 30 s (mel turns it off)
     load(bal, bs["a"], 3)
     load(bal, bs["b"], 3)
     bs["c"].returned_at = clock.t - 3.0  # back 3 s ago: weight 0.1, so it looks 10x slower while empty
@@ -359,7 +414,7 @@ def _returning_backend_ramps_up(bal, bs, clock):
 
 
 def _returned_backend_after_the_window_gets_work(bal, bs, clock):
-    bal.config = BalancerConfig(slow_start=30.0)
+    bal.SLOW_START = ExpectedLatencyBalancer.SLOW_START
     load(bal, bs["a"], 3)
     load(bal, bs["b"], 3)
     bs["c"].returned_at = clock.t - 31.0
@@ -504,41 +559,15 @@ def test_affinity_holds_a_prefix_up_to_twice_the_best_score_by_default():
         bal.completed(bs[0], r, Outcome(status=200, ok=True))
         load(bal, bs[0], n, out=100)
         new = req(prompt=600, keys=keys)
-        score = {b.id: p.e2e + bal.config.ttft_weight * p.ttft for b, p in zip(bs, bal.predict(bs, new))}
+        score = {b.id: p.e2e + bal.TTFT_WEIGHT * p.ttft for b, p in zip(bs, bal.predict(bs, new))}
         if 1.6 < score["a"] / min(score["b"], score["c"]) < 1.9:
             break
     else:
         pytest.fail("no load puts a's score at 1.6-1.9x the best")
-    assert BalancerConfig().affinity_bound == 1.0
+    assert bal.AFFINITY_BOUND == 1.0
     assert bal.pick(bs, new).id == "a"  # the holder, at up to +100% (it was +50% before the hit-rate pass)
-    bal.config = dataclasses.replace(bal.config, affinity_bound=0.5)
+    bal.AFFINITY_BOUND = 0.5
     assert bal.pick(bs, new).id in ("b", "c")
-
-
-@pytest.mark.parametrize(
-    "slow_sigma, out, tail_limit, expected",
-    [
-        (0.04, 400, 0.0, "s"),  # off (the default): affinity keeps the long request on the slow holder, ~16 s there
-        (0.04, 400, 8.0, "f"),  # 16 s on s against 4 s on f: s is left out
-        (0.04, 20, 8.0, "s"),  # a short request: 0.8 s on s, under the limit, so affinity still holds it
-        (0.012, 400, 1.0, "s"),  # over the limit everywhere, but s is within 1.3x of the best: still a candidate
-    ],
-)
-def test_tail_limit_keeps_a_long_request_off_a_backend_where_it_would_take_far_longer(slow_sigma, out, tail_limit, expected):
-    """The p99 at 80 % load on the heterogeneous fleet was long outputs that affinity or the others' cost sent
-    to a slow backend (bench/routing/README.md, tail latency on seed 1)."""
-    bal = mel(affinity_min_tokens=64, affinity_bound=10.0, tail_limit=tail_limit)
-    f, sl = backends("f", "s")
-    set_sigma(bal, f, 0.01)
-    set_sigma(bal, sl, slow_sigma)
-    keys = prefix_keys("s" * 2000)
-    r = req(prompt=600, keys=keys)
-    bal.dispatched(sl, r)
-    bal.completed(sl, r, Outcome(status=200, ok=True))  # s holds the prompt's prefix
-    new = req(prompt=600, out=out, keys=keys)
-    own = {b.id: p.own for b, p in zip((f, sl), bal.predict([f, sl], new))}
-    assert own["f"] < own["s"]
-    assert bal.pick([f, sl], new).id == expected
 
 
 def test_least_in_flight_counts_requests_where_expected_latency_counts_tokens():

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from gateway.config import ConfigError, parse_config
-from gateway.filters.auth import hash_key
+from gateway.state.keys import hash_key
 
 pytestmark = pytest.mark.e2e
 
@@ -43,13 +43,38 @@ def test_every_problem_is_reported_at_once_word_for_word():
     }
     assert problems(data) == [
         "server.log_level: ' LOUD ' is not a valid choice; choose one of: critical, error, warning, info, debug",
-        "server.prot: unknown field (did you mean 'port'?); valid fields: access_log, body_timeout, cors, header_timeout, host, http, keepalive_timeout, linger_bytes, linger_timeout, log_level, max_connections, max_header_bytes, max_headers, max_request_line_bytes, port",
+        "server.prot: unknown field (did you mean 'port'?); valid fields: access_log, body_timeout, cors, header_timeout, host, keepalive_timeout, linger_bytes, linger_timeout, log_level, max_connections, max_header_bytes, max_headers, max_request_line_bytes, port",
         "backends[0].url: 'ftp://x' must start with http:// or https://",
         "backends[1].url: 'http://h:1/v1' must be a base URL with no path, query or fragment",
         "limits.max_body_bytes: expected an integer, got 'big'",
         "timeouts.connect: -1 is out of range; must be > 0",
         "balancer.policy: 'Round-Robin' is not a valid choice; choose one of: min_expected_latency, least_in_flight, round_robin, random, least_load (did you mean 'round_robin'?)",
     ]
+
+
+def test_the_retired_transport_and_server_settings_say_what_replaced_them(tmp_path):
+    """One upstream client and one HTTP server remain: an old YAML naming another is an error, never ignored."""
+    from gateway.config import load_config
+
+    path = tmp_path / "gw.yaml"
+    path.write_text(
+        "server: {http: uvicorn}\n"
+        "upstream: {transport: aiohttp, max_connections: 64}\n"
+        f"auth: {{keys: [{{name: a, hash: '{HASH}'}}]}}\n"
+        "backends: [{url: 'http://127.0.0.1:23333'}]\n"
+    )
+    with pytest.raises(ConfigError) as exc:
+        load_config(path, env={})
+    assert exc.value.problems == [
+        "server.http: this setting was retired; the gateway has one HTTP server (its own, which enforces the server.max_* bounds); remove this line",
+        "upstream.transport: this setting was retired; the gateway has one upstream client (the native one); remove this line",
+        "upstream.max_connections: this setting was retired; it bounded the aiohttp client, which is gone; remove this line",
+    ]
+    # even the value that was the default is refused: the line has no job left
+    path.write_text(f"server: {{http: native}}\nupstream: {{transport: native}}\nauth: {{keys: [{{name: a, hash: '{HASH}'}}]}}\n")
+    with pytest.raises(ConfigError) as exc:
+        load_config(path, env={})
+    assert [p.split(":")[0] for p in exc.value.problems] == ["server.http", "upstream.transport"]
 
 
 def test_enum_values_are_normalised_before_checking():

@@ -16,7 +16,7 @@ import yaml
 from gateway import metrics
 from gateway.cli import build_parser
 from gateway.config import parse_config
-from gateway.filters.auth import hash_key
+from gateway.state.keys import hash_key
 from gateway.routes import ROUTES
 from gateway.sim.config import build_parser as sim_parser
 from support import ROOT

@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 
 from gateway.config import ConfigError, parse_config
-from gateway.filters.auth import hash_key, new_key
+from gateway.state.keys import hash_key, new_key
 from gateway.launcher.spawn import instance_argv, plan_group
 from gateway.routing.disagg import _engine_config, parse_prefill
 from gateway.sim.config import parse_args as sim_parse_args

@@ -7,15 +7,14 @@ import math
 import httpx
 import pytest
 
-from gateway.config import parse_config
 from gateway.config.balancer import DEFAULT_PRIORITY, PRIORITY_NAMES, QueueConfig
 from gateway.config.core import HealthConfig
 from gateway.config.disagg import ModelServing
-from gateway.routing.disagg import PDDispatcher
+from gateway.routing.disagg import PD_KEEP_SHARE, PDDispatcher
 from gateway.routing.pd_policy import PDPicker, PDRequest
 from gateway.routing.policies import Outcome
 from gateway.routing.pool import Backend, BackendPool
-from gateway.routing.queue import Admission, Waiter
+from gateway.routing.queue import KEEP_SHARE, Admission, Waiter
 from gateway.routing.signals import Signals
 from support import GatewayServer, wait_until
 from test_disagg_e2e import ds, instances, pd_config, recorded, sim_control
@@ -132,7 +131,7 @@ def test_a_full_decode_side_holds_the_request_in_the_queue_until_a_decode_ends()
     p.slots = 8
     (d,) = backends(1, "decode")
     d.slots = 1
-    adm = Admission(QueueConfig(hold_wait=0.5), picker, lambda model: [p], clock, room=lambda ps, req, prio: picker.room(ps, [d], req, 0.5))
+    adm = Admission(QueueConfig(), picker, lambda model: [p], clock, room=lambda ps, req, prio: picker.room(ps, [d], req, 0.5))  # HOLD_WAIT: 0.5
     first, second = pd_req(), pd_req()
     assert adm.admit(first, "k", DEFAULT_PRIORITY) is p  # the decode slot is free
     w = adm.admit(second, "k", DEFAULT_PRIORITY)  # p has 7 free slots, but first will take the one decode slot
@@ -290,19 +289,22 @@ def test_decode_prefers_light_load_and_kv_room():
     assert picker.pick_decode([a, b], 1000) is a
 
 
-def pd_dispatcher(pd_keep_share: float, clock) -> tuple[PDDispatcher, list[Backend], list[Backend]]:
-    """A dispatcher with its queue over two prefill and two decode instances of model m."""
+def pd_dispatcher(pd_keep_share: float | None, clock) -> tuple[PDDispatcher, list[Backend], list[Backend]]:
+    """A dispatcher with its queue over two prefill and two decode instances of model m; ``pd_keep_share``
+    replaces its queue's (``disagg.PD_KEEP_SHARE``, a constant) when given."""
     pool = BackendPool(HealthConfig())
     ps, dec = backends(2, "prefill"), backends(2, "decode")
     for b in ps + dec:
         b.models = frozenset({"m"})
         pool.add(b)
     disp = PDDispatcher(pool, {"m": ModelServing("m", serving="distserve")})
-    disp.enable_queue(QueueConfig(pd_keep_share=pd_keep_share), clock)
+    disp.enable_queue(QueueConfig(), clock)
+    if pd_keep_share is not None:
+        disp.queue.admission.keep_share = pd_keep_share
     return disp, ps, dec
 
 
-@pytest.mark.parametrize("pd_keep_share, kept", [(1.0, True), (0.0, False)])
+@pytest.mark.parametrize("pd_keep_share, kept", [(None, True), (0.0, False)])  # None: the default, 1.0
 def test_lower_classes_keep_off_the_prefill_and_decode_instances_most_interactive_requests_use(pd_keep_share, kept):
     clock = Clock()
     disp, (p0, p1), (d0, d1) = pd_dispatcher(pd_keep_share, clock)
@@ -343,7 +345,7 @@ def test_lower_classes_keep_off_the_prefill_and_decode_instances_most_interactiv
 
 def test_keys_of_a_class_take_turns_for_the_prefill_instances():
     clock = Clock()
-    disp, (p0, p1), _ = pd_dispatcher(1.0, clock)
+    disp, (p0, p1), _ = pd_dispatcher(None, clock)
     adm = disp.queue.admission
     for p in (p0, p1):
         p.slots, p.in_flight = 1, 1  # both prefill slots taken: every request waits
@@ -360,13 +362,9 @@ def test_keys_of_a_class_take_turns_for_the_prefill_instances():
 
 
 def test_pd_keep_share_is_the_dispatchers_and_keep_share_the_routers():
-    config = parse_config({"auth": {"disabled": True}, "backends": [{"url": "http://127.0.0.1:1"}],
-                           "balancer": {"queue": {"keep_share": 2.0, "pd_keep_share": 1.2}}})
-    assert config.balancer.queue.keep_share == 2.0 and config.balancer.queue.pd_keep_share == 1.2
-    disp, _, _ = pd_dispatcher(1.0, Clock())
-    assert QueueConfig().pd_keep_share == 1.0 and disp.queue.admission.config.keep_share == 1.0
-    disp.enable_queue(config.balancer.queue, Clock())
-    assert disp.queue.admission.config.keep_share == 1.2
+    disp, _, _ = pd_dispatcher(None, Clock())
+    assert PD_KEEP_SHARE == 1.0 and disp.queue.admission.keep_share == PD_KEEP_SHARE
+    assert Admission(QueueConfig(), disp.picker, lambda model: [], Clock()).keep_share == KEEP_SHARE == 1.5
 
 
 def test_a_failed_decode_is_retried_on_another_and_its_prefill_blocks_freed(keys, tmp_path, monkeypatch):

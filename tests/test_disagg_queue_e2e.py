@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
+from gateway.routing import queue as gateway_queue
 from support import GatewayServer, gateway_config, wait_until
 from test_disagg_e2e import instances, recorded
 from test_queue_e2e import Keys, send, shed_count
@@ -25,6 +26,12 @@ CHAT = "/v1/chat/completions"
 @pytest.fixture
 def log_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("LMDEPLOY_GATEWAY_LOG_DIR", str(tmp_path / "logs"))
+
+
+@pytest.fixture(autouse=True)
+def no_hold_wait(monkeypatch):
+    """Any predicted wait holds a request back in the gateway (``queue.HOLD_WAIT``, a constant: 0.5 s)."""
+    monkeypatch.setattr(gateway_queue, "HOLD_WAIT", 0.0)
 
 
 def pd_queue_config(keys: Keys, queue: dict[str, Any], prefill: int = 1, prefill_ttft: float = 0.5, prefill_slots: int = 1,
@@ -41,7 +48,7 @@ def pd_queue_config(keys: Keys, queue: dict[str, Any], prefill: int = 1, prefill
         ],
         models={"pd": {"serving": "distserve"}},
         health={"interval": 0.2, "timeout": 5.0},
-        balancer={"queue": {"hold_wait": 0.0, **queue}},
+        balancer={"queue": queue},
     )
 
 

@@ -52,7 +52,7 @@ def test_create_writes_yaml_that_loads_back_with_every_field(tmp_path, capsys):
     (key,) = load_config(cfg_path).auth.keys
     assert (key.name, key.models, key.rate_limit_rpm, key.rate_limit_tpm, key.max_concurrent, key.admin) == ("ops@team", ("a", "b"), 10, 1000, 3, True)
     assert (key.budget_tokens, key.budget_period) == (5000, "day") and key.expires_at and key.expires_at > 4e9
-    from gateway.filters.auth import hash_key
+    from gateway.state.keys import hash_key
 
     assert key.hash == hash_key(secret)
     # A second key is added to the same file; the first stays as it was.

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from gateway.config import parse_config
-from gateway.filters.auth import hash_key, new_key
+from gateway.state.keys import hash_key, new_key
 from gateway.launcher.spawn import lmdeploy_args, plan_group
 from support import GatewayServer, Sim, lmdeploy_python
 

@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from gateway import logs
-from gateway.filters.auth import hash_key, key_id, new_key
+from gateway.state.keys import hash_key, key_id, new_key
 from support import Sim, gateway_config, GatewayServer
 
 pytestmark = pytest.mark.e2e

@@ -21,7 +21,7 @@ import pytest
 import trustme
 
 from gateway.config.core import DEFAULT_DROP_FIELDS
-from gateway.filters.auth import hash_key, new_key
+from gateway.state.keys import hash_key, new_key
 from gateway.filters.media import MediaPolicy
 from support import GatewayServer, Sim
 from test_media_fetch import PNG, MediaServer, fetcher

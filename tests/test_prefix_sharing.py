@@ -73,8 +73,9 @@ def test_placements_group_by_backend_once_per_chain_and_stay_bounded():
 
 
 def _balancer(seed: int) -> ExpectedLatencyBalancer:
-    b = make_balancer("min_expected_latency", BalancerConfig(slow_start=0.0), rng=random.Random(seed))
+    b = make_balancer("min_expected_latency", BalancerConfig(), rng=random.Random(seed))
     assert isinstance(b, ExpectedLatencyBalancer)
+    b.SLOW_START = 0.0  # a constant: set on this instance
     return b
 
 

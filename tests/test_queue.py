@@ -50,10 +50,26 @@ class Gate:
         return list(candidates) if self.open else []
 
 
+def policy(clock: Clock, **cfg) -> ExpectedLatencyBalancer:
+    """min_expected_latency as configured, with no slow start (``SLOW_START``, a constant: set on this instance)."""
+    b = make_balancer("min_expected_latency", BalancerConfig(**cfg), clock=clock, rng=random.Random(0))
+    assert isinstance(b, ExpectedLatencyBalancer)
+    b.SLOW_START = 0.0
+    return b
+
+
+def with_constants(adm: Admission, **constants: float) -> Admission:
+    """The queue's constants that were balancer.queue settings until issue 33 (``queue.HOLD_WAIT``,
+    ``RESERVE``, ``KV_RESERVE``, ``KEEP_SHARE``): Admission copies them, a test sets its own instance's."""
+    for k, v in constants.items():
+        assert hasattr(adm, k), k
+        setattr(adm, k, v)
+    return adm
+
+
 def admission(clock: Clock, gate: Gate, members: list[Backend] | None = None, **queue) -> Admission:
     members = backends("a") if members is None else members
-    bal = make_balancer("min_expected_latency", BalancerConfig(slow_start=0.0), clock=clock, rng=random.Random(0))
-    return Admission(QueueConfig(**queue), bal, lambda model: members, clock, room=gate)
+    return Admission(QueueConfig(**queue), policy(clock), lambda model: members, clock, room=gate)
 
 
 # -- deficit round robin within a class ------------------------------------------------------------
@@ -310,12 +326,34 @@ def test_priority_classes_and_waits_are_configured_by_name_or_number():
     cfg = parse_config({
         "auth": {"keys": [{"name": "a", "hash": "sha256:" + "a" * 64, "priority": "batch"}, {"name": "b", "hash": "sha256:" + "b" * 64, "priority": 42}]},
         "backends": [{"url": "http://127.0.0.1:1"}],
-        "balancer": {"queue": {"max_wait": {"batch": 100, 42: 7}, "hold_wait": 0.25}, "objective": "e2e_within_ttft", "ttft_slack": 1.5},
+        "balancer": {"queue": {"max_wait": {"batch": 100, 42: 7}}},
     })
     assert [k.priority for k in cfg.auth.keys] == [BATCH, 42]
     q = cfg.balancer.queue
-    assert q.wait_limit(BATCH) == 100 and q.wait_limit(42) == 7 and q.wait_limit(INTERACTIVE) == 10 and q.wait_limit(5) == q.default_max_wait
-    assert q.hold_wait == 0.25 and cfg.balancer.objective == "e2e_within_ttft" and cfg.balancer.ttft_slack == 1.5
+    assert q.wait_limit(BATCH) == 100 and q.wait_limit(42) == 7 and q.wait_limit(INTERACTIVE) == 10
+
+
+@pytest.mark.parametrize(
+    "max_wait, priority, wait",
+    [
+        (None, BATCH, 60.0),  # the defaults: interactive 10, batch 60
+        (None, INTERACTIVE, 10.0),
+        (None, 5, 60.0),  # not named: the nearest named class below it (batch)
+        (None, 50, 10.0),  # above every named class: interactive's
+        ({"batch": 100, 42: 7}, 41, 10.0),  # interactive (10) is the nearest below 41
+        ({"batch": 100, 42: 7}, 43, 7.0),
+        ({"batch": 100, 42: 7}, 100, 7.0),
+    ],
+)
+def test_a_class_max_wait_does_not_name_waits_as_the_nearest_named_class_below_it(max_wait, priority, wait):
+    queue = {"max_wait": max_wait} if max_wait else {}
+    cfg = parse_config({"auth": {"disabled": True}, "backends": [{"url": "http://127.0.0.1:1"}], "balancer": {"queue": queue}})
+    assert cfg.balancer.queue.wait_limit(priority) == wait
+
+
+def test_with_no_named_class_below_a_class_takes_the_lowest_named_ones_wait():
+    q = QueueConfig(max_wait=((50, 3.0), (INTERACTIVE, 8.0)))
+    assert q.wait_limit(BATCH) == 8.0 and q.wait_limit(20) == 8.0 and q.wait_limit(70) == 3.0
 
 
 @pytest.mark.parametrize(
@@ -324,12 +362,11 @@ def test_priority_classes_and_waits_are_configured_by_name_or_number():
         ({"auth": {"keys": [{"name": "a", "hash": "sha256:" + "a" * 64, "priority": "urgent"}]}}, "auth.keys[0].priority: 'urgent' is not a priority class; use batch or interactive"),
         ({"balancer": {"queue": {"max_wait": {"batch": 0}}}}, "balancer.queue.max_wait.batch: 0 is not a wait"),
         ({"balancer": {"queue": {"max_wait": {"vip": 3}}}}, "balancer.queue.max_wait.vip: 'vip' is not a priority class"),
-        ({"balancer": {"objective": "fastest"}}, "balancer.objective: 'fastest' is not a valid choice; choose one of: e2e_plus_ttft, e2e_within_ttft, e2e, ttft"),
         ({"balancer": {"policy": "round_robin", "queue": {"enabled": True}}}, "balancer.queue.enabled: the gateway queue needs a policy that predicts waits"),
-        ({"balancer": {"queue": {"holdwait": 1}}}, "balancer.queue.holdwait: unknown field (did you mean 'hold_wait'?)"),
-        ({"balancer": {"queue": {"keep_share": -1}}}, "balancer.queue.keep_share: "),
-        ({"balancer": {"queue": {"keep_share": "most"}}}, "balancer.queue.keep_share: "),
-        ({"balancer": {"queue": {"pd_keep_share": -1}}}, "balancer.queue.pd_keep_share: "),
+        ({"balancer": {"queue": {"max_qeued": 1}}}, "balancer.queue.max_qeued: unknown field (did you mean 'max_queued'?)"),
+        ({"balancer": {"queue": {"max_queued": 0}}}, "balancer.queue.max_queued: 0 is out of range"),
+        ({"balancer": {"queue": {"hold_wait": 1}}}, "balancer.queue.hold_wait: this setting was retired; an internal constant now (0.5 s)"),
+        ({"balancer": {"queue": {"keep_share": -1}}}, "balancer.queue.keep_share: this setting was retired; "),
     ],
 )
 def test_bad_queue_config_is_refused_with_a_clear_message(section, message):
@@ -375,11 +412,10 @@ async def test_acquire_answers_a_refusal_at_the_deadline():
 # -- the predictor -------------------------------------------------------------------------------------
 
 def mel(clock: Clock, **cfg) -> ExpectedLatencyBalancer:
-    cfg.setdefault("slow_start", 0.0)
-    cfg.setdefault("others_weight", 0.0)
-    cfg.setdefault("kv_penalty", 0.0)
-    b = make_balancer("min_expected_latency", BalancerConfig(**cfg), clock=clock, rng=random.Random(0))
-    assert isinstance(b, ExpectedLatencyBalancer)
+    """The request's own latency only: no slow start, no others' cost, no KV penalty (constants, set on this instance)."""
+    b = policy(clock, **cfg)
+    b.OTHERS_WEIGHT = 0.0
+    b.KV_PENALTY = 0.0
     return b
 
 
@@ -433,18 +469,16 @@ def _fast_but_busy_vs_slow_but_free(bal: ExpectedLatencyBalancer) -> tuple[Backe
 
 
 @pytest.mark.parametrize(
-    "objective, knobs, expected",
+    "ttft_weight, expected",
     [
-        ("e2e", {}, "fast"),  # waiting 0.4 s for the fast backend still finishes 100 tokens first
-        ("ttft", {}, "slow"),
-        ("e2e_within_ttft", {"ttft_slack": 0.1}, "slow"),  # the fast one starts 0.4 s later: outside the slack
-        ("e2e_within_ttft", {"ttft_slack": 5.0}, "fast"),
-        ("e2e_plus_ttft", {"ttft_weight": 0.0}, "fast"),
-        ("e2e_plus_ttft", {"ttft_weight": 8.0}, "slow"),
+        (0.0, "fast"),  # end-to-end alone: waiting 0.4 s for the fast backend still finishes 100 tokens first
+        (ExpectedLatencyBalancer.TTFT_WEIGHT, "slow"),  # the default, 8: starting 0.4 s later costs more than finishing sooner saves
     ],
 )
-def test_the_objective_decides_between_starting_sooner_and_finishing_sooner(objective, knobs, expected):
-    bal = mel(Clock(), objective=objective, **knobs)
+def test_the_ttft_weight_decides_between_starting_sooner_and_finishing_sooner(ttft_weight, expected):
+    assert ExpectedLatencyBalancer.TTFT_WEIGHT == 8.0
+    bal = mel(Clock())
+    bal.TTFT_WEIGHT = ttft_weight
     fast, slow = _fast_but_busy_vs_slow_but_free(bal)
     r = req(prompt=1, out=100)
     pf, ps = bal.predict([fast, slow], r)
@@ -466,8 +500,8 @@ def test_completed_frees_the_slot_the_prediction_waited_for():
 def test_lower_classes_leave_reserved_slots_free_while_interactive_requests_come():
     clock = Clock()
     (a,) = backends("a")
-    bal = make_balancer("min_expected_latency", BalancerConfig(slow_start=0.0, slots=4), clock=clock, rng=random.Random(0))
-    adm = Admission(QueueConfig(reserve=0.5), bal, lambda model: [a], clock)
+    bal = policy(clock, slots=4)
+    adm = with_constants(Admission(QueueConfig(), bal, lambda model: [a], clock), reserve=0.5)
     assert isinstance(adm.admit(req(), "bulk", BATCH), Backend)  # no interactive traffic yet: no reserve
     assert isinstance(adm.admit(req(), "ui", INTERACTIVE), Backend)
     held = adm.admit(req(), "bulk", BATCH)  # 2 of 4 slots free: taking one would leave fewer than 2
@@ -479,11 +513,11 @@ def test_lower_classes_leave_reserved_slots_free_while_interactive_requests_come
 
 def test_lower_classes_leave_reserved_kv_free_while_the_slots_are_unknown():
     """Slots are learnt only from a full batch, and the queue holds a flood back before it fills one:
-    with the slots unknown, ``kv_reserve`` of the KV cache is left free (when its capacity is known)."""
+    with the slots unknown, ``KV_RESERVE`` of the KV cache is left free (when its capacity is known)."""
     clock = Clock()
     (a,) = backends("a")
-    bal = make_balancer("min_expected_latency", BalancerConfig(slow_start=0.0), clock=clock, rng=random.Random(0))
-    adm = Admission(QueueConfig(kv_reserve=0.5), bal, lambda model: [a], clock)
+    bal = policy(clock)
+    adm = with_constants(Admission(QueueConfig(), bal, lambda model: [a], clock), kv_reserve=0.5)
     first = req()
     assert adm.admit(first, "bulk", BATCH) is a
     bal._model(a).kv_capacity = 4 * first.kv_tokens  # room for 4 such requests
@@ -507,13 +541,15 @@ def interactive_traffic_on(adm: Admission, bal, members: list[Backend], backend:
     members[:] = saved
 
 
-@pytest.mark.parametrize("keep_share, kept", [(1.5, True), (0.0, False)])
+@pytest.mark.parametrize("keep_share, kept", [(None, True), (0.0, False)])
 def test_lower_classes_keep_off_the_backend_that_takes_most_interactive_requests(keep_share, kept):
     clock = Clock()
     members = backends("fast", "slow")
     fast, slow = members
-    bal = make_balancer("min_expected_latency", BalancerConfig(slow_start=0.0, slots=32), clock=clock, rng=random.Random(0))
-    adm = Admission(QueueConfig(reserve=0.5, keep_share=keep_share), bal, lambda model: members, clock)
+    bal = policy(clock, slots=32)
+    adm = Admission(QueueConfig(), bal, lambda model: members, clock, **({} if keep_share is None else {"keep_share": keep_share}))
+    assert keep_share is not None or adm.keep_share == 1.5  # KEEP_SHARE, the default
+    with_constants(adm, reserve=0.5)
     interactive_traffic_on(adm, bal, members, fast, 20)  # all of them: more than 1.5 x an even share (50 %)
     got = [adm.admit(req(), "bulk", BATCH) for _ in range(6)]
     assert all(isinstance(b, Backend) for b in got)
@@ -528,8 +564,8 @@ def test_an_even_share_of_interactive_requests_keeps_no_backend_and_one_backend_
     clock = Clock()
     members = backends("a", "b")
     a, b = members
-    bal = make_balancer("min_expected_latency", BalancerConfig(slow_start=0.0, slots=32), clock=clock, rng=random.Random(0))
-    adm = Admission(QueueConfig(keep_share=1.5), bal, lambda model: members, clock)
+    bal = policy(clock, slots=32)
+    adm = Admission(QueueConfig(), bal, lambda model: members, clock)  # KEEP_SHARE: 1.5
     interactive_traffic_on(adm, bal, members, a, 10)
     interactive_traffic_on(adm, bal, members, b, 10)
     assert adm.kept("m", members) == set()  # 50 % each: not above 1.5 x 50 %
@@ -552,10 +588,10 @@ def test_other_replicas_in_flight_from_the_shared_state_take_slots_too():
 # -- several gateway replicas: the other replicas' in-flight requests (shared state) ----------------
 
 
-def shared_admission(clock: Clock, members: list[Backend], slots: int, **queue) -> Admission:
+def shared_admission(clock: Clock, members: list[Backend], slots: int, **constants: float) -> Admission:
     bal = mel(clock, slots=slots)
-    queue.setdefault("hold_wait", 0.0)  # any wait for a slot holds a request back
-    return Admission(QueueConfig(**queue), bal, lambda model: members, clock)
+    constants.setdefault("hold_wait", 0.0)  # any wait for a slot holds a request back
+    return with_constants(Admission(QueueConfig(), bal, lambda model: members, clock), **constants)
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,10 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from gateway.filters.auth import hash_key, new_key
+from unittest import mock
+
+from gateway.routing import queue as gateway_queue
+from gateway.state.keys import hash_key, new_key
 from support import GatewayServer, Sim, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -32,6 +35,11 @@ class Keys:
         ]
 
 
+def hold_wait(seconds: float) -> Any:
+    """``queue.HOLD_WAIT`` (a constant, 0.5 s; was balancer.queue.hold_wait) for the gateways started within."""
+    return mock.patch.object(gateway_queue, "HOLD_WAIT", seconds)
+
+
 @contextlib.contextmanager
 def fleet(n: int, queue: dict[str, Any]) -> Iterator[tuple[GatewayServer, list[Sim], Keys]]:
     keys = Keys()
@@ -44,9 +52,9 @@ def fleet(n: int, queue: dict[str, Any]) -> Iterator[tuple[GatewayServer, list[S
             "backends": [{"url": s.url, "api_key": "backend-secret", "name": f"sim-{i}"} for i, s in enumerate(sims)],
             "health": {"interval": 0.2, "timeout": 1.0},
             # One slot per backend, as the sims are started; any wait for it holds a request back.
-            "balancer": {"policy": "min_expected_latency", "slots": 1, "queue": {"hold_wait": 0.0, **queue}},
+            "balancer": {"policy": "min_expected_latency", "slots": 1, "queue": queue},
         }
-        with GatewayServer(config) as gw:
+        with hold_wait(0.0), GatewayServer(config) as gw:
             wait_until(lambda: all(b.healthy for b in gw.gateway.pool), 10, 0.02, "every backend healthy")
             yield gw, sims, keys
     finally:
@@ -158,10 +166,10 @@ async def test_a_burst_after_a_quiet_spell_on_a_cold_engine_is_served_not_refuse
             "backends": [{"url": sim.url, "api_key": "backend-secret", "name": "sim-0"}],
             "health": {"interval": 0.2, "timeout": 1.0},
             # 8 slots, as for a launched --max-batch-size 8; a request waits in the gateway rather than
-            # for a slot in the engine (the GPU's batches were longer than hold_wait, these are not)
-            "balancer": {"policy": "min_expected_latency", "slots": 8, "queue": {"hold_wait": 0.1}},
+            # for a slot in the engine (the GPU's batches were longer than HOLD_WAIT, these are not)
+            "balancer": {"policy": "min_expected_latency", "slots": 8},
         }
-        with GatewayServer(config) as gw:
+        with hold_wait(0.1), GatewayServer(config) as gw:
             wait_until(lambda: all(b.healthy for b in gw.gateway.pool), 10, 0.02, "the backend healthy")
             before = shed_count(gw, keys.admin, "predicted")
             async with httpx.AsyncClient(base_url=gw.url, timeout=60, limits=httpx.Limits(max_connections=40)) as client:
@@ -196,9 +204,9 @@ async def test_a_burst_after_direct_clients_left_is_not_held_back_by_their_old_g
             "backends": [{"url": sim.url, "api_key": "backend-secret", "name": "sim-0"}],
             "health": {"interval": 0.2, "timeout": 1.0},
             "balancer": {"policy": "min_expected_latency", "slots": 8, "scrape_interval": 0.1,
-                         "queue": {"hold_wait": 0.1, "max_wait": {"interactive": 2}}},
+                         "queue": {"max_wait": {"interactive": 2}}},
         }
-        with GatewayServer(config) as gw:
+        with hold_wait(0.1), GatewayServer(config) as gw:
             wait_until(lambda: all(b.healthy for b in gw.gateway.pool), 10, 0.02, "the backend healthy")
             (backend,) = list(gw.gateway.pool)
             model = gw.gateway.balancer._model(backend)

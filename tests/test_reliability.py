@@ -158,7 +158,7 @@ def test_access_log_names_keys_by_id_and_never_logs_secrets(keys, caplog):
 
 
 def test_rate_limited_key_gets_429_with_retry_after(keys):
-    from gateway.filters.auth import hash_key, new_key
+    from gateway.state.keys import hash_key, new_key
 
     limited = new_key()
     entries = keys.entries + [{"name": "limited", "hash": hash_key(limited), "rate_limit_rpm": 3}]

@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from gateway.config import ConfigError, parse_config
-from gateway.filters.auth import hash_key, new_key
+from gateway.state.keys import hash_key, new_key
 from support import GatewayServer, Sim, gateway_config
 
 pytestmark = pytest.mark.e2e

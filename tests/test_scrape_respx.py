@@ -33,7 +33,7 @@ class Samples:
 @pytest.fixture
 async def client():
     # The gateway's own control-plane client, on httpx's transport so that respx sees its requests.
-    c = make_client(TimeoutsConfig(connect=1.0), transport_name="httpx")
+    c = make_client(TimeoutsConfig(connect=1.0), transport=httpx.AsyncHTTPTransport())
     yield c
     await c.aclose()
 

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from support import ROOT, free_port, wait_until
-from gateway.filters.auth import hash_key
+from gateway.state.keys import hash_key
 
 pytestmark = pytest.mark.e2e
 

@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from gateway.config import parse_config
+from gateway.routing import queue as gateway_queue
 from gateway.state.redis import RedisStore
 from support import GatewayServer, Sim, gateway_config, wait_until
 
@@ -287,13 +288,14 @@ def test_load_interval_is_bounded():
                       "state": {"redis_url": "redis://127.0.0.1:6379/0", "load_interval": 0.001}})
 
 
-def test_two_replicas_never_admit_more_than_a_backends_slots_between_them(keys, redis_server):
+def test_two_replicas_never_admit_more_than_a_backends_slots_between_them(keys, redis_server, monkeypatch):
     """One backend with one batch slot, two replicas, held long requests: the replica that sees the slot
-    taken through the other holds its requests in its queue (hold_wait 0), and binds them when the
+    taken through the other holds its requests in its queue (queue.HOLD_WAIT 0), and binds them when the
     other's request finishes. No /metrics polling (scrape_interval 0): the load exchange alone tells it."""
+    monkeypatch.setattr(gateway_queue, "HOLD_WAIT", 0.0)
     sim_args = ("--max-batch-size", "1", "--ttft", "0.005", "--tpot", "0.05")
     with Sim(MODEL, *sim_args, api_key="backend-secret") as sim:
-        a, b = _pair(keys, sim, redis_server.url, balancer={"slots": 1, "scrape_interval": 0, "queue": {"hold_wait": 0.0}})
+        a, b = _pair(keys, sim, redis_server.url, balancer={"slots": 1, "scrape_interval": 0})
         try:
             ba, bb = a.gateway.pool.get("sim-0"), b.gateway.pool.get("sim-0")
             wait_until(lambda: ba.healthy and bb.healthy, 10, 0.02, "healthy on both")

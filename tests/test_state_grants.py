@@ -11,7 +11,7 @@ import pytest
 
 from gateway.config import ApiKeyConfig, parse_config
 from gateway.errors import Refusal
-from gateway.filters.auth import hash_key, new_key
+from gateway.state.keys import hash_key, new_key
 from gateway.state.redis import RedisStore
 
 pytestmark = pytest.mark.e2e  # a real redis-server

@@ -16,7 +16,7 @@ import pytest
 
 from gateway.cli import main as cli_main
 from gateway.config import ApiKeyConfig, parse_config
-from gateway.filters.auth import hash_key, new_key
+from gateway.state.keys import hash_key, new_key
 from gateway.metrics import REGISTRY
 from gateway.state.limits import period_id
 from gateway.state.redis import RedisStore

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from gateway.cli import main as cli_main
-from gateway.filters.auth import hash_key, new_key
+from gateway.state.keys import hash_key, new_key
 from support import GatewayServer, Sim, gateway_config, wait_until
 
 pytestmark = pytest.mark.e2e

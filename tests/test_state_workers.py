@@ -12,7 +12,7 @@ import httpx
 import pytest
 import yaml
 
-from gateway.filters.auth import hash_key, new_key
+from gateway.state.keys import hash_key, new_key
 from support import ROOT, alive, free_port, wait_until
 from test_launcher_gateway import descendants
 

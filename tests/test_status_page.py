@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.filters.auth import hash_key, new_key
+from gateway.state.keys import hash_key, new_key
 from support import ROOT, GatewayServer, Sim, free_port, gateway_config, wait_until
 
 MODEL = "test-model"

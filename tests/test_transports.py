@@ -1,4 +1,4 @@
-"""Every upstream transport behaves the same: relay, stream, errors, retries, cancellation."""
+"""The upstream client end to end: relay, stream, errors, retries, cancellation."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ pytestmark = pytest.mark.e2e
 MODEL = "test-model"
 
 
-@pytest.fixture(scope="module", params=["native", "aiohttp"])
-def setup(request, keys):
+@pytest.fixture(scope="module")
+def setup(keys):
     # round_robin: every test can count on both backends being picked
-    with gateway_with_sims(keys, 2, upstream={"transport": request.param}, balancer={"policy": "round_robin"}) as (gw, sims):
+    with gateway_with_sims(keys, 2, balancer={"policy": "round_robin"}) as (gw, sims):
         yield gw, sims, keys
 
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import yaml
 
-from gateway.filters.auth import hash_key, new_key
+from gateway.state.keys import hash_key, new_key
 from support import ROOT, Sim, free_port, wait_until
 
 pytestmark = pytest.mark.e2e

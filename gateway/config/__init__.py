@@ -8,7 +8,7 @@ both call it, so an offline check is exactly the start-up check.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ from .core import (
     read_upstream,
 )
 from .fields import ConfigError, Problems, Section, expand_env
+from .settings import internal, setting
 from .disagg import ModelServing, check_serving, read_models
 from .launch import LaunchGroup, read_launch
 from .media import MediaConfig, read_media
@@ -77,24 +78,26 @@ __all__ = [
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    server: ServerConfig = field(default_factory=ServerConfig)
-    auth: AuthConfig = field(default_factory=AuthConfig)
-    backends: tuple[BackendConfig, ...] = ()
-    launch: tuple[LaunchGroup, ...] = ()
-    limits: LimitsConfig = field(default_factory=LimitsConfig)
-    timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
-    health: HealthConfig = field(default_factory=HealthConfig)
-    upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
-    balancer: BalancerConfig = field(default_factory=BalancerConfig)
-    media: MediaConfig = field(default_factory=MediaConfig)
-    models: dict[str, ModelServing] = field(default_factory=dict)  # per-model serving mode and extra routes
-    state: StateConfig = field(default_factory=StateConfig)
-    log: LogConfig = field(default_factory=LogConfig)
-    admin: AdminConfig = field(default_factory=AdminConfig)
-    tracing: TracingConfig = field(default_factory=TracingConfig)
-    discover: tuple[DiscoverConfig, ...] = ()
-    state_dir: str = DEFAULT_STATE_DIR  # launched instances' logs go under it; must be writable
-    source: str = "<memory>"
+    """The gateway's configuration file."""
+
+    server: ServerConfig = setting(doc="The public listener and its bounds.", default_factory=ServerConfig)
+    auth: AuthConfig = setting(doc="API keys.", default_factory=AuthConfig)
+    backends: tuple[BackendConfig, ...] = setting((), "api_servers by URL (or `{discover: ...}` entries) that the gateway does not launch.", alternative="discover")
+    launch: tuple[LaunchGroup, ...] = setting((), "api_server instances the gateway starts and supervises, one group per model.")
+    limits: LimitsConfig = setting(doc="Bounds on request bodies.", default_factory=LimitsConfig)
+    timeouts: TimeoutsConfig = setting(doc="Upstream time bounds.", default_factory=TimeoutsConfig)
+    health: HealthConfig = setting(doc="Health checks and ejection.", default_factory=HealthConfig)
+    upstream: UpstreamConfig = setting(doc="Bounds on what backends send back.", default_factory=UpstreamConfig)
+    balancer: BalancerConfig = setting(doc="How a backend is picked, and the gateway queue.", default_factory=BalancerConfig)
+    media: MediaConfig = setting(doc="The media policy.", default_factory=MediaConfig)
+    models: dict[str, ModelServing] = setting(doc="Per served model: serving mode and extra routes.", default_factory=dict)
+    state: StateConfig = setting(doc="Where keys, limits, usage and shared load live.", default_factory=StateConfig)
+    log: LogConfig = setting(doc="The gateway's log format.", default_factory=LogConfig)
+    admin: AdminConfig = setting(doc="The admin listener; on when present.", default_factory=AdminConfig)
+    tracing: TracingConfig = setting(doc="OpenTelemetry tracing.", default_factory=TracingConfig)
+    discover: tuple[DiscoverConfig, ...] = setting((), "Backends found through DNS, written as `backends` entries `{discover: {...}}`.", where="backends[].discover")
+    state_dir: str = setting(DEFAULT_STATE_DIR, "Folder for launched instances' logs (rotated); must be writable.")
+    source: str = internal("<memory>")  # the file it was read from
 
 
 def parse_config(data: Any, *, base_dir: Path | None = None, env: dict[str, str] | None = None, source: str = "<memory>") -> GatewayConfig:

@@ -12,12 +12,12 @@ import yaml
 
 from ..media.url import DomainSet
 from .fields import ConfigError, Problems, Section
+from .settings import internal, read_fields, setting
 from .media import read_domain_set
 from .operate import CorsConfig, read_cors
 from .balancer import DEFAULT_PRIORITY, parse_priority
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
-HTTP_SERVERS = ("native", "uvicorn")
 
 # Engine knobs a client must never set: they address sessions, caches or processors directly.
 DEFAULT_DROP_FIELDS = (
@@ -38,41 +38,45 @@ BUDGET_PERIODS = ("day", "month", "total")
 
 @dataclass(frozen=True)
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8080
-    log_level: str = "info"
-    access_log: bool = False
-    http: str = "native"  # our HTTP/1.1 server (gateway/server); "uvicorn" is kept to be measured against
-    # Bounded work per connection, enforced before any request reaches the app (gateway/server).
-    max_request_line_bytes: int = 8 * 1024  # method + target + version: 414 above
-    max_header_bytes: int = 64 * 1024  # request line and all headers together: 431 above
-    max_headers: int = 100  # header lines, repeated ones included: 431 above
-    header_timeout: float = 10.0  # from a request's first byte to the end of its headers: 408
-    body_timeout: float = 60.0  # from the end of the headers to the end of the body: 408
-    keepalive_timeout: float = 5.0  # a connection with no request in progress is closed after this
-    max_connections: int = 0  # 0: from the open-files limit, leaving room for upstream connections
-    linger_timeout: float = 5.0  # after an answer given before the body was read: drain, then close
-    linger_bytes: int = 64 * 1024 * 1024  # most bytes drained that way
-    cors: CorsConfig = CorsConfig()
+    """The public listener. Every bound holds per connection before a request reaches the app, with or without a key."""
+
+    RETIRED = {"http": "the gateway has one HTTP server (its own, which enforces the server.max_* bounds); remove this line"}
+
+    host: str = setting("127.0.0.1", "Address to listen on; `0.0.0.0` for every interface.")
+    port: int = setting(8080, "Port to listen on.", min=0, max=65535)
+    log_level: str = setting("info", "The gateway's log level.", choices=LOG_LEVELS)
+    access_log: bool = setting(False, "One line per request (id, key name, model, backend, status, seconds); never the key or the body.")
+    max_request_line_bytes: int = setting(8 * 1024, "Method, target and version together; longer gets 414.", min=256, max=1 << 20)
+    max_header_bytes: int = setting(64 * 1024, "Request line and all headers together; more gets 431.", min=1024, max=16 << 20)
+    max_headers: int = setting(100, "Header lines, repeated ones included; more gets 431.", min=8, max=10_000)
+    header_timeout: float = setting(10.0, "Seconds from a request's first byte to the end of its headers; then 408.", min=0, exclusive=True)
+    body_timeout: float = setting(60.0, "Seconds from the end of the headers to the end of the body; then 408.", min=0, exclusive=True)
+    keepalive_timeout: float = setting(5.0, "Seconds an idle keep-alive connection stays open.", min=0, exclusive=True)
+    max_connections: int = setting(0, "Client connections at once; 0: from the open-files limit, leaving room for upstream connections.", min=0, max=1 << 20)
+    linger_timeout: float = setting(5.0, "Seconds to drain an unread body after an early answer (a 413, a 401) before closing.", min=0)
+    linger_bytes: int = setting(64 * 1024 * 1024, "Most bytes drained that way.", min=0, max=1 << 40)
+    cors: CorsConfig = setting(CorsConfig(), "Cross-origin requests from browser pages.")
 
 
 @dataclass(frozen=True)
 class ApiKeyConfig:
-    name: str
-    hash: str  # "sha256:<hex>" of the full key
-    models: tuple[str, ...] | None = None  # None: every model
-    media_allowed_domains: tuple[str, ...] | None = None  # None: the gateway's media policy
-    rate_limit_rpm: int | None = None
-    admin: bool = False  # may read the gateway's /metrics
-    rate_limit_tpm: int | None = None  # prompt + completion tokens per minute
-    max_concurrent: int | None = None  # requests in flight at once, over every replica
-    budget_tokens: int | None = None  # tokens per budget_period; then 429 insufficient_quota
-    budget_period: str = "month"  # day | month | total
-    expires_at: float | None = None  # unix time; refused from then on
-    disabled: bool = False  # revoked: kept for the record, refused
-    created_at: float | None = None
-    routes: tuple[str, ...] | None = None  # forwarded routes it may use; None: the OpenAI/Anthropic ones
-    priority: int = DEFAULT_PRIORITY  # queue class: interactive (10), batch (0) or 0-100; higher is served first
+    """One API key: only its hash is stored (`gateway keys create` prints the key once and writes the entry)."""
+
+    name: str = setting(doc="Who holds it, in logs and metrics: 1-64 letters, digits, `.`, `_`, `-`, `@`.", shown_default="`key-<n>`")
+    hash: str = setting(doc="`sha256:<hex>` of the full key (`gateway keys hash` prints it); never the key itself.", custom={"type": "string", "pattern": "^sha256:[0-9a-fA-F]{64}$"}, type_name="key hash")
+    models: tuple[str, ...] | None = setting(None, "Models it may use; unset: every model.")
+    media_allowed_domains: tuple[str, ...] | None = setting(None, "Replaces `media.allowed_domains` for this key (same grammar); unset: the gateway's list.", custom={"type": ["array", "string"], "items": {"type": "string"}}, type_name="list of domain entries")
+    rate_limit_rpm: int | None = setting(None, "Requests per minute, over every replica; then 429.", min=1)
+    admin: bool = setting(False, "May read the gateway's /metrics.")
+    rate_limit_tpm: int | None = setting(None, "Prompt + completion tokens per minute; then 429.", min=1)
+    max_concurrent: int | None = setting(None, "Requests in flight at once, over every replica; then 429.", min=1, max=1_000_000)
+    budget_tokens: int | None = setting(None, "Tokens per `budget_period`; then 429 `insufficient_quota`.", min=1)
+    budget_period: str = setting("month", "The period `budget_tokens` counts over.", choices=BUDGET_PERIODS)
+    expires_at: float | None = setting(None, "Unix time from which the key is refused.", min=0)
+    disabled: bool = setting(False, "Revoked: kept for the record, refused.")
+    created_at: float | None = setting(None, "Unix time it was made (written by `gateway keys create`).", min=0)
+    routes: tuple[str, ...] | None = setting(None, "Forwarded routes it may use; unset: the OpenAI and Anthropic ones.")
+    priority: int = setting(DEFAULT_PRIORITY, "Queue class: `interactive` (10), `batch` (0) or a number 0-100; higher is served first.", custom={"anyOf": [{"enum": ["interactive", "batch"]}, {"type": "integer", "minimum": 0, "maximum": 100}]}, type_name="`interactive` \\| `batch` \\| 0-100", shown_default="`interactive`")
     if TYPE_CHECKING:
         media_domains: DomainSet | None  # set by __post_init__; not a field, so records carry the texts only
 
@@ -89,78 +93,75 @@ class ApiKeyConfig:
 
 @dataclass(frozen=True)
 class AuthConfig:
-    disabled: bool = False
-    keys: tuple[ApiKeyConfig, ...] = ()  # inline keys and the keys file's, together
-    keys_file: str | None = None  # resolved path: reloaded on SIGHUP and when it changes
-    inline_keys: tuple[ApiKeyConfig, ...] = ()  # the ones written in the config itself
+    """API keys. Every route needs one unless `disabled` is set."""
+
+    disabled: bool = setting(False, "Run without authentication (a private test set-up only).")
+    keys: tuple[ApiKeyConfig, ...] = setting((), "Keys written in the config itself (the keys file's are added to them).")
+    keys_file: str | None = setting(None, "A YAML file of `keys:` (relative to the config); reloaded when it changes and on SIGHUP.")
+    inline_keys: tuple[ApiKeyConfig, ...] = internal(())  # the ones written in the config itself; `keys` holds both
 
 
 @dataclass(frozen=True)
 class BackendConfig:
-    url: str
-    api_key: str | None = None
-    models: tuple[str, ...] | None = None  # None: discovered from the backend's /v1/models
-    name: str | None = None
-    role: str = "hybrid"  # hybrid | prefill | decode (PD disaggregation; see config/disagg.py)
+    """An api_server the gateway does not launch, by URL (or, as `{discover: ...}`, found through DNS)."""
+
+    url: str = setting(doc="Base URL, `http(s)://host[:port]`, no path.")
+    api_key: str | None = setting(None, "The api_server's own `--api-keys` value, if it has one.")
+    models: tuple[str, ...] | None = setting(None, "Models it serves; unset: asked from its /v1/models.")
+    name: str | None = setting(None, "Its id in logs, metrics and the status page; default: the URL.")
+    role: str = setting("hybrid", "`prefill` or `decode` for PD disaggregation (the model's `serving: distserve`).", choices=("hybrid", "prefill", "decode"))
 
 
 @dataclass(frozen=True)
 class LimitsConfig:
-    max_body_bytes: int = 32 * 1024 * 1024
-    max_json_depth: int = 32
+    """Bounds on request bodies, checked before parsing."""
+
+    max_body_bytes: int = setting(32 * 1024 * 1024, "A request body; larger gets 413.", min=1024, max=1 << 31)
+    max_json_depth: int = setting(32, "Nesting depth of a JSON body; deeper gets 400.", min=4, max=512)
     # Python objects cost 10x+ their JSON text: capped before parsing. 256 Ki values keep the worst
     # parse (one dict of that many keys) near 0.1 s of event loop on a 2-core machine.
-    max_json_values: int = 262_144
-    max_upload_bytes_per_key: int = 128 * 1024 * 1024  # request bodies being received at once, per key
-    drop_fields: tuple[str, ...] = DEFAULT_DROP_FIELDS
+    max_json_values: int = setting(262_144, "Values (strings, numbers, items) in a JSON body; more gets 400.", min=1000, max=100_000_000)
+    max_upload_bytes_per_key: int = setting(128 * 1024 * 1024, "Request bodies being received at once per key; more gets 429.", min=1024, max=1 << 40)
+    drop_fields: tuple[str, ...] = setting(DEFAULT_DROP_FIELDS, "Body fields removed before forwarding: engine knobs a client must never set (sessions, caches, processors).")
 
 
 @dataclass(frozen=True)
 class TimeoutsConfig:
-    connect: float = 5.0
-    first_byte: float = 600.0  # prefill of a long prompt on a loaded GPU can take minutes
-    idle: float = 120.0  # between two chunks of a stream
-    drain: float = 30.0  # on shutdown
+    """Upstream time bounds (seconds)."""
+
+    connect: float = setting(5.0, "To connect to a backend; then the next backend is tried.", min=0, exclusive=True)
+    first_byte: float = setting(600.0, "From sending a request to its first byte (a long prompt's prefill on a loaded GPU takes minutes).", min=0, exclusive=True)
+    idle: float = setting(120.0, "Between two chunks of a stream.", min=0, exclusive=True)
+    drain: float = setting(30.0, "On shutdown, for requests in flight to finish.", min=0)
 
 
 @dataclass(frozen=True)
 class UpstreamConfig:
-    transport: str = "native"  # see gateway/upstream.py; the others are there to be measured against
-    max_connections: int = 4096
-    # Backends are untrusted: what they send back is bounded (gateway/upstream.py).
-    max_response_bytes: int = 64 * 1024 * 1024  # a whole (non-streamed) response body
-    max_header_bytes: int = 64 * 1024  # status line and headers together
-    max_headers: int = 100
-    max_line_bytes: int = 4 * 1024 * 1024  # a streamed response: bytes without a newline
+    """Backends are untrusted: what they send back is bounded (a backend over a bound gets the client a 502)."""
+
+    RETIRED = {
+        "transport": "the gateway has one upstream client (the native one); remove this line",
+        "max_connections": "it bounded the aiohttp client, which is gone; remove this line",
+    }
+
+    max_response_bytes: int = setting(64 * 1024 * 1024, "A whole (non-streamed) response body.", min=1024, max=1 << 34)
+    max_header_bytes: int = setting(64 * 1024, "Status line and headers together.", min=1024, max=1 << 24)
+    max_headers: int = setting(100, "Header lines of a response.", min=8, max=10000)
+    max_line_bytes: int = setting(4 * 1024 * 1024, "A streamed response: bytes without a newline.", min=1024, max=1 << 30)
 
 
 @dataclass(frozen=True)
 class HealthConfig:
-    interval: float = 2.0
-    timeout: float = 2.0
-    failures_to_eject: int = 3  # consecutive connect errors / 5xx before outlier ejection
-    ejection_base: float = 5.0  # seconds; doubles on each repeated ejection
+    """Active health checks (`/health` of every backend) and outlier ejection."""
+
+    interval: float = setting(2.0, "Seconds between checks of a backend.", min=0, exclusive=True)
+    timeout: float = setting(2.0, "Seconds a check may take.", min=0, exclusive=True)
+    failures_to_eject: int = setting(3, "Consecutive connect errors or 5xx before a backend is ejected.", min=1)
+    ejection_base: float = setting(5.0, "Seconds of the first ejection; doubles on each repeated one.", min=0, exclusive=True)
 
 
 def read_server(s: Section) -> ServerConfig:
-    d = ServerConfig()
-    cfg = ServerConfig(
-        host=s.str("host", d.host),
-        port=s.int("port", d.port, min=0, max=65535),
-        log_level=s.enum("log_level", LOG_LEVELS, d.log_level),
-        access_log=s.bool("access_log", d.access_log),
-        http=s.enum("http", HTTP_SERVERS, d.http),
-        max_request_line_bytes=s.int("max_request_line_bytes", d.max_request_line_bytes, min=256, max=1 << 20),
-        max_header_bytes=s.int("max_header_bytes", d.max_header_bytes, min=1024, max=16 << 20),
-        max_headers=s.int("max_headers", d.max_headers, min=8, max=10_000),
-        header_timeout=s.number("header_timeout", d.header_timeout, min=0, exclusive=True),
-        body_timeout=s.number("body_timeout", d.body_timeout, min=0, exclusive=True),
-        keepalive_timeout=s.number("keepalive_timeout", d.keepalive_timeout, min=0, exclusive=True),
-        max_connections=s.int("max_connections", d.max_connections, min=0, max=1 << 20),
-        linger_timeout=s.number("linger_timeout", d.linger_timeout, min=0),
-        linger_bytes=s.int("linger_bytes", d.linger_bytes, min=0, max=1 << 40),
-        cors=read_cors(s.section("cors")),
-    )
+    cfg = ServerConfig(**read_fields(ServerConfig, s), cors=read_cors(s.section("cors")))
     if cfg.max_request_line_bytes > cfg.max_header_bytes:
         s.error("max_request_line_bytes", f"{cfg.max_request_line_bytes} is larger than max_header_bytes ({cfg.max_header_bytes}), which includes the request line")
     s.finish()
@@ -168,24 +169,14 @@ def read_server(s: Section) -> ServerConfig:
 
 
 def _read_key(s: Section, index: int) -> ApiKeyConfig | None:
-    name = s.str("name", f"key-{index}")
+    v = read_fields(ApiKeyConfig, s, defaults={"name": f"key-{index}"})
+    name, models, routes = v["name"], v["models"], v["routes"]
     digest = s.str("hash")
-    models = s.str_list("models", None)
     media = s.str_list("media_allowed_domains", None)
     media_domains = None
     if media is not None:
         owner = f" (key {name!r})"
         media_domains = read_domain_set(media, lambda j: f"{s.where('media_allowed_domains')}[{j}]", s, owner)
-    rpm = s.int("rate_limit_rpm", None, min=1)
-    admin = s.bool("admin", False)
-    tpm = s.int("rate_limit_tpm", None, min=1)
-    concurrent = s.int("max_concurrent", None, min=1, max=1_000_000)
-    budget = s.int("budget_tokens", None, min=1)
-    period = s.enum("budget_period", BUDGET_PERIODS, "month")
-    expires = s.number("expires_at", None, min=0)
-    disabled = s.bool("disabled", False)
-    created = s.number("created_at", None, min=0)
-    routes = s.str_list("routes", None)
     if routes is not None:
         from ..routes import KEY_ROUTE_CHOICES
 
@@ -209,30 +200,19 @@ def _read_key(s: Section, index: int) -> ApiKeyConfig | None:
             s.error("hash", f"{digest[:12]!r}... is not a key hash; expected 'sha256:' followed by 64 hex digits")
         return None
     return ApiKeyConfig(
-        name=name,
+        **v,
         hash=norm,
-        models=tuple(models) if models is not None else None,
         media_allowed_domains=media_domains.texts if media_domains is not None else None,
-        rate_limit_rpm=rpm,
-        admin=admin,
-        rate_limit_tpm=tpm,
-        max_concurrent=concurrent,
-        budget_tokens=budget,
-        budget_period=period,
-        expires_at=expires,
-        disabled=disabled,
-        created_at=created,
-        routes=tuple(routes) if routes is not None else None,
         priority=priority,
     )
 
 
 def read_auth(s: Section, base_dir: Path) -> AuthConfig:
-    disabled = s.bool("disabled", False)
+    v = read_fields(AuthConfig, s)
+    disabled, keys_file = v["disabled"], v["keys_file"]
     entries = s.sections("keys")
     keys = [k for i, sub in enumerate(entries) if (k := _read_key(sub, i)) is not None]
     inline = tuple(keys)
-    keys_file = s.str("keys_file", None)
     path = None
     if keys_file is not None:
         path = Path(keys_file)
@@ -318,15 +298,12 @@ def read_backends(root: Section) -> tuple[BackendConfig, ...]:
     for sub in root.sections("backends"):
         if sub.has("discover"):  # read by config.operate.read_discovery
             continue
-        url = sub.str("url")
-        api_key = sub.str("api_key", None)
-        models = sub.str_list("models", None)
-        name = sub.str("name", None)
+        v = read_fields(BackendConfig, sub)
+        url, name = v["url"], v["name"]
         if name is not None and not (name.isprintable() and len(name) <= 128):
             # Names are backend ids in logs, metrics and the load exchange (whose extra fields start with NUL).
             sub.error("name", f"{name[:40]!r} is not a valid backend name; use up to 128 printable characters")
             name = None
-        role = sub.enum("role", ("hybrid", "prefill", "decode"), "hybrid")
         sub.finish()
         if url is None:
             continue
@@ -337,60 +314,30 @@ def read_backends(root: Section) -> tuple[BackendConfig, ...]:
             sub.error("url", f"{url!r} is listed twice")
             continue
         seen.add(base)
-        out.append(BackendConfig(url=base, api_key=api_key, models=tuple(models) if models else None, name=name, role=role or "hybrid"))
+        out.append(BackendConfig(**{**v, "url": base, "models": v["models"] or None, "name": name, "role": v["role"] or "hybrid"}))
     return tuple(out)
 
 
 def read_limits(s: Section) -> LimitsConfig:
-    d = LimitsConfig()
-    cfg = LimitsConfig(
-        max_body_bytes=s.int("max_body_bytes", d.max_body_bytes, min=1024, max=1 << 31),
-        max_json_depth=s.int("max_json_depth", d.max_json_depth, min=4, max=512),
-        max_json_values=s.int("max_json_values", d.max_json_values, min=1000, max=100_000_000),
-        max_upload_bytes_per_key=s.int("max_upload_bytes_per_key", d.max_upload_bytes_per_key, min=1024, max=1 << 40),
-        drop_fields=tuple(s.str_list("drop_fields", d.drop_fields)),
-    )
+    cfg = LimitsConfig(**read_fields(LimitsConfig, s))
     s.finish()
     return cfg
 
 
 def read_timeouts(s: Section) -> TimeoutsConfig:
-    d = TimeoutsConfig()
-    cfg = TimeoutsConfig(
-        connect=s.number("connect", d.connect, min=0, exclusive=True),
-        first_byte=s.number("first_byte", d.first_byte, min=0, exclusive=True),
-        idle=s.number("idle", d.idle, min=0, exclusive=True),
-        drain=s.number("drain", d.drain, min=0),
-    )
+    cfg = TimeoutsConfig(**read_fields(TimeoutsConfig, s))
     s.finish()
     return cfg
 
 
 def read_health(s: Section) -> HealthConfig:
-    d = HealthConfig()
-    cfg = HealthConfig(
-        interval=s.number("interval", d.interval, min=0, exclusive=True),
-        timeout=s.number("timeout", d.timeout, min=0, exclusive=True),
-        failures_to_eject=s.int("failures_to_eject", d.failures_to_eject, min=1),
-        ejection_base=s.number("ejection_base", d.ejection_base, min=0, exclusive=True),
-    )
+    cfg = HealthConfig(**read_fields(HealthConfig, s))
     s.finish()
     return cfg
 
 
 
-TRANSPORTS = ("native", "aiohttp")  # gateway/upstream.py says why the httpx ones were dropped
-
-
 def read_upstream(s: Section) -> UpstreamConfig:
-    d = UpstreamConfig()
-    cfg = UpstreamConfig(
-        transport=s.enum("transport", TRANSPORTS, d.transport),
-        max_connections=s.int("max_connections", d.max_connections, min=1, max=1 << 20),
-        max_response_bytes=s.int("max_response_bytes", d.max_response_bytes, min=1024, max=1 << 34),
-        max_header_bytes=s.int("max_header_bytes", d.max_header_bytes, min=1024, max=1 << 24),
-        max_headers=s.int("max_headers", d.max_headers, min=8, max=10000),
-        max_line_bytes=s.int("max_line_bytes", d.max_line_bytes, min=1024, max=1 << 30),
-    )
+    cfg = UpstreamConfig(**read_fields(UpstreamConfig, s))
     s.finish()
     return cfg

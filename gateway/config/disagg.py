@@ -26,6 +26,7 @@ from typing import Any
 
 from ..routes import EXTRA_ROUTES
 from .fields import Problems, Section
+from .settings import internal, read_fields, setting
 
 SERVING = ("hybrid", "distserve")
 ROLES = ("hybrid", "prefill", "decode")
@@ -41,8 +42,10 @@ LINK_TYPE_VALUE = {"IB": 1, "RoCE": 2}
 
 @dataclass(frozen=True)
 class RdmaConfig:
-    link_type: str = "RoCE"
-    with_gdr: bool = True
+    """lmdeploy's DistServeRDMAConfig for the KV migration between a model's prefill and decode instances."""
+
+    link_type: str = setting("RoCE", "The RDMA link.", choices=LINK_TYPES)
+    with_gdr: bool = setting(True, "GPUDirect RDMA: the NIC reads the GPU's memory directly.")
 
     def wire(self) -> dict[str, Any]:
         """lmdeploy's DistServeRDMAConfig as JSON."""
@@ -51,11 +54,13 @@ class RdmaConfig:
 
 @dataclass(frozen=True)
 class ModelServing:
-    name: str
-    serving: str = "hybrid"
-    routes: tuple[str, ...] = ()
-    migration_protocol: str = "RDMA"
-    rdma: RdmaConfig = field(default_factory=RdmaConfig)
+    """Per served model (by the name clients use): how it is served and which extra routes it offers."""
+
+    name: str = internal()  # the mapping's key
+    serving: str = setting("hybrid", "`hybrid`: each instance prefills and decodes; `distserve`: prefill/decode disaggregation (needs prefill and decode instances).", choices=SERVING)
+    routes: tuple[str, ...] = setting((), f"lmdeploy's extra routes this model serves: {', '.join(EXTRA_ROUTES)}.")
+    migration_protocol: str = setting("RDMA", "distserve: how the KV cache moves from prefill to decode.", choices=MIGRATION_PROTOCOLS)
+    rdma: RdmaConfig = setting(doc="distserve with RDMA: the link.", default_factory=RdmaConfig)
 
     @property
     def distserve(self) -> bool:
@@ -66,15 +71,13 @@ def read_models(s: Section) -> dict[str, ModelServing]:
     out: dict[str, ModelServing] = {}
     for name in list(s.data):
         sub = s.section(str(name))
-        serving = sub.enum("serving", SERVING, "hybrid")
-        routes = sub.str_list("routes", [])
+        v = read_fields(ModelServing, sub)
+        serving, routes = v["serving"], v["routes"]
         for i, r in enumerate(routes):
             if r not in EXTRA_ROUTES:
                 sub.problems.add(f"{sub.where('routes')}[{i}]", f"{r!r} is not a route a model can enable; choose from: {', '.join(EXTRA_ROUTES)}")
-        protocol = sub.enum("migration_protocol", tuple(MIGRATION_PROTOCOLS), "rdma")
         rs = sub.section("rdma")
-        link = rs.enum("link_type", tuple(LINK_TYPES), "roce")
-        gdr = rs.bool("with_gdr", True)
+        rdma = read_fields(RdmaConfig, rs)
         rs.finish()
         sub.finish()
         if serving != "distserve":
@@ -85,8 +88,8 @@ def read_models(s: Section) -> dict[str, ModelServing]:
             name=str(name),
             serving=serving or "hybrid",
             routes=tuple(r for r in routes if r in EXTRA_ROUTES),
-            migration_protocol=MIGRATION_PROTOCOLS[protocol or "rdma"],
-            rdma=RdmaConfig(link_type=LINK_TYPES[link or "roce"], with_gdr=bool(gdr)),
+            migration_protocol=v["migration_protocol"] or ModelServing.migration_protocol,
+            rdma=RdmaConfig(link_type=rdma["link_type"] or RdmaConfig.link_type, with_gdr=bool(rdma["with_gdr"])),
         )
     return out
 

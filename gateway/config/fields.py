@@ -112,6 +112,7 @@ class Section:
         self.path = path
         self.problems = problems
         self._seen: set[str] = set()
+        self._retired: set[str] = set()  # reported by retired(), never listed as valid
         if data is None:
             data = {}
         if not isinstance(data, dict):
@@ -229,6 +230,12 @@ class Section:
             out.append(str(item))
         return out
 
+    def retired(self, key: str, replaced_by: str) -> None:
+        """A setting that existed once: an error that says what replaced it, never a silent ignore."""
+        self._retired.add(key)
+        if key in self.data:
+            self.error(key, f"this setting was retired; {replaced_by}")
+
     # -- nested --------------------------------------------------------------------------------
     def section(self, key: str) -> "Section":
         self._seen.add(key)
@@ -251,7 +258,7 @@ class Section:
         """Report every field that no accessor asked for: a typo must not pass silently."""
         valid = sorted(self._seen)
         for key in self.data:
-            if key in self._seen:
+            if key in self._seen or key in self._retired:
                 continue
             hint = did_you_mean(str(key), valid)
             self.problems.add(self.where(str(key)), f"unknown field{hint}; valid fields: {', '.join(valid)}")

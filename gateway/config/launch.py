@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .fields import Problems, Section, _type_name
+from .settings import internal, read_fields, setting
 
 ENGINES = ("auto", "lmdeploy", "sim")
 BACKENDS = ("turbomind", "pytorch")
@@ -114,38 +115,38 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 @dataclass(frozen=True)
 class LaunchGroup:
-    """One model served by one or more identical instances."""
+    """One model served by one or more identical api_server instances the gateway starts, supervises and stops: `len(gpus) / tp` instances, each on its own devices."""
 
-    model: str  # a local path or a hub id, as `lmdeploy serve api_server` takes it
-    model_name: str | None = None  # the name clients use; None: the model path itself
-    engine: str = "auto"  # auto | lmdeploy | sim
-    gpus: str | int | tuple[int, ...] = "all"  # "all" visible devices, a count, or device ids
-    tp: int = 1  # devices per instance
-    instances: int | None = None  # simulator instances (engine sim, or auto without GPUs)
-    backend: str = "turbomind"
-    device: str = "cuda"
-    cache_max_entry_count: float | None = None
-    session_len: int | None = None
-    max_batch_size: int | None = None
-    quant_policy: int | None = None  # lmdeploy's QuantPolicy value (0, 4, 8, 16, 17, 42)
-    enable_prefix_caching: bool = False
-    dtype: str | None = None
-    chat_template: str | None = None
-    eager_mode: bool = False
-    extra_args: tuple[str, ...] = ()
-    env: tuple[tuple[str, str], ...] = ()  # extra environment for every instance
-    role: str = "hybrid"  # hybrid | prefill | decode: lmdeploy's --role (PD disaggregation)
-    migration_backend: str = "DLSlime"  # lmdeploy's --migration-backend: DLSlime | Mooncake
-    executable: str | None = None  # the lmdeploy command; None: `lmdeploy` on PATH, else `python -m lmdeploy`
-    sim: tuple[tuple[str, Any], ...] = ()  # simulator options, from SIM_OPTIONS
-    start_timeout: float = 900.0  # seconds from spawn to a healthy /health: loading a big model takes minutes
-    max_restarts: int = 5  # restarts in a row without a stable run; then the instance is given up
-    restart_backoff: float = 1.0  # first delay before a restart; doubles each time
-    restart_backoff_max: float = 60.0
-    health_interval: float = 5.0  # how often the pool probes an instance of this group while it is healthy
-    unhealthy_after: float = 30.0  # a live process failing /health this long is restarted
-    stable_after: float = 300.0  # healthy this long resets the restart count
-    index: int = 0  # position under `launch`, for messages
+    model: str = setting(doc="A local path or a hub id, as `lmdeploy serve api_server` takes it.")
+    model_name: str | None = setting(None, "The name clients use; default: the model path itself.")
+    engine: str = setting("auto", "`lmdeploy`, `sim` (the bundled simulator), or `auto`: lmdeploy when it is installed and GPUs are visible, else the simulator.", choices=ENGINES)
+    gpus: str | int | tuple[int, ...] = setting("all", "`all` visible devices, a count, or a list of device ids.", custom={"anyOf": [{"const": "all"}, {"type": "integer", "minimum": 1}, {"type": "array", "items": {"type": "integer", "minimum": 0}}, {"type": "string", "pattern": "^\\s*\\d+(\\s*,\\s*\\d+)*\\s*$"}]}, type_name="`all` \\| count \\| device ids")
+    tp: int = setting(1, "Devices per instance (tensor parallelism).", min=1, max=64)
+    instances: int | None = setting(None, f"Simulator instances (engine `sim`, or `auto` without GPUs); default {DEFAULT_SIM_INSTANCES}.", min=1, max=64)
+    backend: str = setting("turbomind", "lmdeploy's engine; default `turbomind` on CUDA, `pytorch` on other devices.", choices=BACKENDS, shown_default="`turbomind` (cuda), `pytorch`")
+    device: str = setting("cuda", "The accelerator type.", choices=DEVICES)
+    cache_max_entry_count: float | None = setting(None, "Share of free device memory for the KV cache (`--cache-max-entry-count`).", min=0, max=1, exclusive=True)
+    session_len: int | None = setting(None, "Longest sequence, prompt and output (`--session-len`).", min=1)
+    max_batch_size: int | None = setting(None, "Sequences per batch (`--max-batch-size`); the balancer learns it as the batch slots.", min=1)
+    quant_policy: int | None = setting(None, "KV cache quantization (`--quant-policy`); fp8 needs the pytorch backend.", custom={"anyOf": [{"enum": list(QUANT_POLICIES)}, {"enum": list(QUANT_NAMES)}]}, type_name=" \\| ".join(f"`{q}`" for q in QUANT_POLICIES))
+    enable_prefix_caching: bool = setting(False, "Reuse the KV cache of shared prompt prefixes (`--enable-prefix-caching`).")
+    dtype: str | None = setting(None, "Weights' dtype (`--dtype`).", choices=DTYPES)
+    chat_template: str | None = setting(None, "A chat template name or JSON file (`--chat-template`).")
+    eager_mode: bool = setting(False, "pytorch backend: no CUDA graphs (`--eager-mode`).")
+    extra_args: tuple[str, ...] = setting((), "Further api_server flags, validated: flags the launcher owns (ports, keys, `--tp`, ...) are refused.")
+    env: tuple[tuple[str, str], ...] = setting((), "Extra environment for every instance (the visible-devices variable is set by the launcher).", custom={"type": "object", "additionalProperties": {"type": ["string", "number", "boolean"]}}, type_name="mapping of name to value", shown_default="none")
+    role: str = setting("hybrid", "lmdeploy's `--role`: `prefill` or `decode` for PD disaggregation (the model's `serving: distserve`).", choices=("hybrid", "prefill", "decode"))
+    migration_backend: str = setting("DLSlime", "lmdeploy's `--migration-backend`, for role prefill or decode.", choices={"dlslime": "DLSlime", "mooncake": "Mooncake"})
+    executable: str | None = setting(None, "The lmdeploy command; default `lmdeploy` on PATH, else `python -m lmdeploy`.")
+    sim: tuple[tuple[str, Any], ...] = setting((), "Simulator options: " + ", ".join(SIM_OPTIONS) + " (see `gateway sim --help`).", custom={"type": "object", "properties": {k: {"type": "integer" if kind == "int" else "number", ("exclusiveMinimum" if excl else "minimum"): low} for k, (kind, low, excl) in SIM_OPTIONS.items()}, "additionalProperties": False}, type_name="mapping", shown_default="none")
+    start_timeout: float = setting(900.0, "Seconds from spawn to a healthy /health (loading a big model takes minutes).", min=0, exclusive=True)
+    max_restarts: int = setting(5, "Restarts in a row without a stable run; then the instance is given up.", min=0, max=1000)
+    restart_backoff: float = setting(1.0, "Seconds before the first restart; doubles each time.", min=0, exclusive=True)
+    restart_backoff_max: float = setting(60.0, "Longest delay between restarts.", min=0, exclusive=True)
+    health_interval: float = setting(5.0, "Seconds between health checks of a healthy instance of this group.", min=0, exclusive=True)
+    unhealthy_after: float = setting(30.0, "Seconds a live process may fail /health before it is restarted.", min=0, exclusive=True)
+    stable_after: float = setting(300.0, "Seconds healthy that reset the restart count.", min=0, exclusive=True)
+    index: int = internal(0)  # position under `launch`, for messages
 
     @property
     def served_name(self) -> str:
@@ -298,37 +299,16 @@ def flag_name(arg: str) -> str | None:
 
 
 def _read_group(sub: Section, index: int, overrides: dict[str, str]) -> LaunchGroup | None:
-    d = LaunchGroup(model="")
     before = len(sub.problems.items)
-    model = sub.str("model")
-    model_name = sub.str("model_name", None)
-    engine = sub.enum("engine", ENGINES, d.engine)
+    # backend and migration_backend: None tells "not set" (derived below) from a choice.
+    v = read_fields(LaunchGroup, sub, defaults={"backend": None, "migration_backend": None})
+    model, engine, tp, instances, backend, device = v["model"], v["engine"], v["tp"], v["instances"], v["backend"], v["device"]
+    eager, extra, executable, role, migration_backend = v["eager_mode"], list(v["extra_args"]), v["executable"], v["role"], v["migration_backend"]
+    backoff, backoff_max = v["restart_backoff"], v["restart_backoff_max"]
     gpus = _read_gpus(sub)
-    tp = sub.int("tp", d.tp, min=1, max=64)
-    instances = sub.int("instances", None, min=1, max=64)
-    backend = sub.enum("backend", BACKENDS, None)
-    device = sub.enum("device", DEVICES, d.device)
-    cache = sub.number("cache_max_entry_count", None, min=0, max=1, exclusive=True)
-    session_len = sub.int("session_len", None, min=1)
-    max_batch_size = sub.int("max_batch_size", None, min=1)
     quant = _read_quant(sub)
-    prefix = sub.bool("enable_prefix_caching", False)
-    dtype = sub.enum("dtype", DTYPES, None)
-    chat_template = sub.str("chat_template", None)
-    eager = sub.bool("eager_mode", False)
-    extra = sub.str_list("extra_args", [])
     env = _read_env(sub)
-    executable = sub.str("executable", None)
-    role = sub.enum("role", ("hybrid", "prefill", "decode"), "hybrid")
-    migration_backend = sub.enum("migration_backend", ("dlslime", "mooncake"), None)
     sim = _read_sim(sub)
-    start_timeout = sub.number("start_timeout", d.start_timeout, min=0, exclusive=True)
-    max_restarts = sub.int("max_restarts", d.max_restarts, min=0, max=1000)
-    backoff = sub.number("restart_backoff", d.restart_backoff, min=0, exclusive=True)
-    backoff_max = sub.number("restart_backoff_max", d.restart_backoff_max, min=0, exclusive=True)
-    health_interval = sub.number("health_interval", d.health_interval, min=0, exclusive=True)
-    unhealthy_after = sub.number("unhealthy_after", d.unhealthy_after, min=0, exclusive=True)
-    stable_after = sub.number("stable_after", d.stable_after, min=0, exclusive=True)
     sub.finish()
 
     engine = overrides.get("engine", engine)
@@ -377,35 +357,18 @@ def _read_group(sub: Section, index: int, overrides: dict[str, str]) -> LaunchGr
     if model is None or len(sub.problems.items) > before:
         return None
     return LaunchGroup(
-        model=model,
-        model_name=model_name,
-        engine=engine,
+        **{
+            **v,
+            "engine": engine,
+            "backend": backend,
+            "device": device,
+            "role": role or "hybrid",
+            "migration_backend": migration_backend or LaunchGroup.migration_backend,
+        },
         gpus=gpus,
-        tp=tp,
-        instances=instances,
-        backend=backend,
-        device=device,
-        cache_max_entry_count=cache,
-        session_len=session_len,
-        max_batch_size=max_batch_size,
         quant_policy=quant,
-        enable_prefix_caching=prefix,
-        dtype=dtype,
-        chat_template=chat_template,
-        eager_mode=eager,
-        extra_args=tuple(extra),
         env=env,
-        executable=executable,
-        role=role or "hybrid",
-        migration_backend={"dlslime": "DLSlime", "mooncake": "Mooncake"}[migration_backend or "dlslime"],
         sim=sim,
-        start_timeout=start_timeout,
-        max_restarts=max_restarts,
-        restart_backoff=backoff,
-        restart_backoff_max=backoff_max,
-        health_interval=health_interval,
-        unhealthy_after=unhealthy_after,
-        stable_after=stable_after,
         index=index,
     )
 

@@ -47,6 +47,7 @@ from ..media.parts import DEFAULT_ITEM_PARAMS, DEFAULT_MIME_TYPES, KNOWN_PART_TY
 from ..media.signatures import SIGNATURES
 from ..media.url import DomainEntry, DomainSet, read_domain_list
 from .fields import Section, did_you_mean
+from .settings import internal, read_fields, setting
 
 __all__ = ["FETCH_MODES", "UNKNOWN_PART_KEYS", "MediaConfig", "read_domain_set", "read_media"]
 
@@ -64,24 +65,38 @@ def _pairs(mapping: Mapping[str, Iterable[str]]) -> tuple[tuple[str, tuple[str, 
 
 @dataclass(frozen=True)
 class MediaConfig:
-    allowed_domains: tuple[str, ...] = ()  # entries in their canonical text form
-    part_types: tuple[str, ...] = KNOWN_PART_TYPES
-    unknown_part_keys: str = "refuse"
-    mime_types: tuple[tuple[str, tuple[str, ...]], ...] = field(default_factory=lambda: _pairs(DEFAULT_MIME_TYPES))
-    item_params: tuple[tuple[str, tuple[str, ...]], ...] = field(default_factory=lambda: _pairs(DEFAULT_ITEM_PARAMS))
-    max_item_bytes: int = 20 * MIB
-    max_request_bytes: int = 64 * MIB
-    max_items: int = 64
-    max_url_length: int = 4096
-    check_magic: bool = True
-    resolve_dns: bool = False
-    dns_timeout: float = 2.0
-    fetch: str = "backend"
-    fetch_timeout: float = 10.0
-    fetch_max_redirects: int = 3
-    fetch_concurrency: int = 8
+    """Which media a request may carry, and from where: a base64 `data:` URL, or https on an allowed domain."""
+
+    allowed_domains: tuple[str, ...] = setting((), "Hosts media URLs may name: `host` (https, port 443), `*.example.org` (any subdomain), `host:port`, `http://host`; empty: `data:` URLs only.")
+    part_types: tuple[str, ...] = setting(KNOWN_PART_TYPES, "Content part types let through.", shown_default="every known type")
+    unknown_part_keys: str = setting("refuse", "A key a part type does not define: `refuse` (400) or `drop` (removed before forwarding).", choices=UNKNOWN_PART_KEYS)
+    mime_types: tuple[tuple[str, tuple[str, ...]], ...] = setting(
+        doc="MIME types allowed per media kind (" + ", ".join(MEDIA_KINDS) + "), for `data:` URLs and fetched items.",
+        default_factory=lambda: _pairs(DEFAULT_MIME_TYPES),
+        custom={"type": "object", "properties": {k: {"type": ["array", "string"], "items": {"type": "string"}} for k in MEDIA_KINDS}, "additionalProperties": False},
+        type_name="mapping of kind to MIME types",
+        shown_default="; ".join(f"{k}: {', '.join(v)}" for k, v in DEFAULT_MIME_TYPES.items()),
+    )
+    item_params: tuple[tuple[str, tuple[str, ...]], ...] = setting(
+        doc="Keys besides the URL a media item may carry (processor parameters), per kind.",
+        default_factory=lambda: _pairs(DEFAULT_ITEM_PARAMS),
+        custom={"type": "object", "properties": {k: {"type": ["array", "string"], "items": {"type": "string"}} for k in MEDIA_KINDS}, "additionalProperties": False},
+        type_name="mapping of kind to names",
+        shown_default="; ".join(f"{k}: {', '.join(v)}" for k, v in DEFAULT_ITEM_PARAMS.items() if v),
+    )
+    max_item_bytes: int = setting(20 * MIB, "Decoded size of one item, base64 or fetched.", min=1, max=1 << 34)
+    max_request_bytes: int = setting(64 * MIB, "Decoded size of all items in one request.", min=1, max=1 << 36)
+    max_items: int = setting(64, "Media items (URLs and base64) in one request.", min=1, max=100_000)
+    max_url_length: int = setting(4096, "Characters of one media URL.", min=32, max=65536)
+    check_magic: bool = setting(True, "Decoded bytes must start with their MIME type's signature.")
+    resolve_dns: bool = setting(False, "Resolve allowed hosts and refuse any that has a non-global address (with `fetch: backend`).")
+    dns_timeout: float = setting(2.0, "Seconds for that resolution.", min=0, max=60, exclusive=True)
+    fetch: str = setting("backend", "`backend`: URLs are forwarded and the api_server fetches them; `inline`: the gateway fetches them (pinned, checked address) and forwards `data:` URLs.", choices=FETCH_MODES)
+    fetch_timeout: float = setting(10.0, "`inline`: seconds for one item, redirects included.", min=0, max=600, exclusive=True)
+    fetch_max_redirects: int = setting(3, "`inline`: redirects followed, each target checked against the allow-list.", min=0, max=10)
+    fetch_concurrency: int = setting(8, "`inline`: fetches in flight across the gateway.", min=1, max=1024)
     # The parsed allow-list, built from allowed_domains once (a bad entry raises ValueError here).
-    domains: DomainSet = field(default=None, compare=False, repr=False)  # type: ignore[assignment]
+    domains: DomainSet = internal(default=None, compare=False, repr=False)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         if self.domains is None:
@@ -125,11 +140,11 @@ def _read_kind_lists(
 
 
 def read_media(s: Section) -> MediaConfig:
-    d = MediaConfig()
-    domains = read_domain_set(s.str_list("allowed_domains", ()), lambda j: f"{s.where('allowed_domains')}[{j}]", s)
+    v = read_fields(MediaConfig, s)
+    domains = read_domain_set(list(v["allowed_domains"]), lambda j: f"{s.where('allowed_domains')}[{j}]", s)
 
     part_types: list[str] = []
-    for j, value in enumerate(s.str_list("part_types", d.part_types)):
+    for j, value in enumerate(v["part_types"]):
         if value not in KNOWN_PART_TYPES:
             s.problems.add(
                 f"{s.where('part_types')}[{j}]",
@@ -139,8 +154,7 @@ def read_media(s: Section) -> MediaConfig:
         elif value not in part_types:
             part_types.append(value)
 
-    check_magic = s.bool("check_magic", d.check_magic)
-    fetch = s.enum("fetch", FETCH_MODES, d.fetch)
+    check_magic, fetch = v["check_magic"], v["fetch"]
     # Both need a signature for every allowed type: check_magic to verify base64, the fetch to sniff.
     needs_signature = [why for on, why in ((check_magic, "check_magic"), (fetch == "inline", "fetch: inline")) if on]
 
@@ -165,27 +179,13 @@ def read_media(s: Section) -> MediaConfig:
     mime_types = _read_kind_lists(s.section("mime_types"), DEFAULT_MIME_TYPES, mime_problem)
     item_params = _read_kind_lists(s.section("item_params"), DEFAULT_ITEM_PARAMS, param_problem)
 
-    max_item = s.int("max_item_bytes", d.max_item_bytes, min=1, max=1 << 34)
-    max_request = s.int("max_request_bytes", d.max_request_bytes, min=1, max=1 << 36)
+    max_item, max_request = v["max_item_bytes"], v["max_request_bytes"]
     if max_request < max_item:
         s.error("max_request_bytes", f"{max_request} is smaller than max_item_bytes ({max_item}); a single item could never pass")
     cfg = MediaConfig(
-        allowed_domains=domains.texts,
-        part_types=tuple(part_types),
-        unknown_part_keys=s.enum("unknown_part_keys", UNKNOWN_PART_KEYS, d.unknown_part_keys),
+        **{**v, "allowed_domains": domains.texts, "part_types": tuple(part_types)},
         mime_types=mime_types,
         item_params=item_params,
-        max_item_bytes=max_item,
-        max_request_bytes=max_request,
-        max_items=s.int("max_items", d.max_items, min=1, max=100_000),
-        max_url_length=s.int("max_url_length", d.max_url_length, min=32, max=65536),
-        check_magic=check_magic,
-        resolve_dns=s.bool("resolve_dns", d.resolve_dns),
-        dns_timeout=s.number("dns_timeout", d.dns_timeout, min=0, max=60, exclusive=True),
-        fetch=fetch,
-        fetch_timeout=s.number("fetch_timeout", d.fetch_timeout, min=0, max=600, exclusive=True),
-        fetch_max_redirects=s.int("fetch_max_redirects", d.fetch_max_redirects, min=0, max=10),
-        fetch_concurrency=s.int("fetch_concurrency", d.fetch_concurrency, min=1, max=1024),
         domains=domains,
     )
     s.finish()

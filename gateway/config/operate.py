@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass
 
 from .fields import Section
+from .settings import internal, read_fields, setting
 
 LOG_FORMATS = ("text", "json")
 _HASH = re.compile(r"^sha256:[0-9a-f]{64}$")
@@ -15,13 +16,17 @@ DEFAULT_STATE_DIR = ".gateway"
 
 @dataclass(frozen=True)
 class LogConfig:
-    format: str = "text"
+    """The gateway's own log lines (launched instances log to files under ``state_dir``)."""
+
+    format: str = setting("text", "`text` for people, `json` (one object per line) for a log pipeline.", choices=LOG_FORMATS)
 
 
 @dataclass(frozen=True)
 class CorsConfig:
-    allow_origins: tuple[str, ...] = ()  # exact origins ("https://app.example.com") or "*"
-    max_age: int = 600
+    """Cross-origin requests from browsers; off while ``allow_origins`` is empty."""
+
+    allow_origins: tuple[str, ...] = setting((), "Origins a browser page may call from: exact `scheme://host[:port]` or `*`.")
+    max_age: int = setting(600, "Seconds a browser may cache a preflight answer.", min=0, max=86400)
 
     @property
     def enabled(self) -> bool:
@@ -30,49 +35,54 @@ class CorsConfig:
 
 @dataclass(frozen=True)
 class AdminConfig:
-    enabled: bool = False
-    host: str = "127.0.0.1"
-    port: int = 8081
-    key_hash: str | None = None  # "sha256:<hex>" of the admin key
+    """The admin listener (status page, /admin API) on its own port; on when the section is present."""
+
+    enabled: bool = internal(False)  # the section is present and has a key
+    host: str = setting("127.0.0.1", "Address the admin listener binds; keep it private.")
+    port: int = setting(8081, "Port of the admin listener.", min=0, max=65535)
+    key_hash: str | None = setting(None, "`sha256:<hex>` of the admin key (`gateway admin-key` makes one); required when the section is present.", custom={"type": "string", "pattern": "^sha256:[0-9a-fA-F]{64}$"}, type_name="key hash")
 
 
 @dataclass(frozen=True)
 class TracingConfig:
-    enabled: bool = False
-    service_name: str = "lmdeploy-gateway"
-    otlp_endpoint: str | None = None  # e.g. http://otel-collector:4318/v1/traces; None: no export
-    sample_ratio: float = 1.0
-    trust_client_traceparent: bool = False
+    """OpenTelemetry spans per request."""
+
+    enabled: bool = setting(False, "Record a span per request (and per upstream attempt).")
+    service_name: str = setting("lmdeploy-gateway", "The `service.name` the spans carry.")
+    otlp_endpoint: str | None = setting(None, "OTLP/HTTP traces URL, e.g. `http://otel-collector:4318/v1/traces`; unset: spans are not exported.")
+    sample_ratio: float = setting(1.0, "Share of requests traced.", min=0, max=1)
+    trust_client_traceparent: bool = setting(False, "Continue a client's `traceparent` instead of starting a new trace.")
 
 
 @dataclass(frozen=True)
 class DiscoverConfig:
-    dns: str
-    port: int
-    interval: float = 10.0
-    scheme: str = "http"
-    api_key: str | None = None
-    models: tuple[str, ...] | None = None
-    max_backends: int = 256  # a record set larger than this is cut (and logged): DNS is not trusted blindly
+    """Backends found through DNS: every address a name resolves to, re-resolved every ``interval``."""
+
+    dns: str = setting(doc="The DNS name whose A/AAAA records are the backends, e.g. a headless Kubernetes service.")
+    port: int = setting(doc="The api_servers' port.", min=1, max=65535)
+    interval: float = setting(10.0, "Seconds between resolutions; backends that left are drained.", min=0.1)
+    scheme: str = setting("http", "How to reach them.", choices=("http", "https"))
+    api_key: str | None = setting(None, "The api_servers' own `--api-keys` value, if they have one.")
+    models: tuple[str, ...] | None = setting(None, "Models they serve; unset: asked from each one's /v1/models.")
+    max_backends: int = setting(256, "A record set larger than this is cut (and logged): DNS is not trusted blindly.", min=1, max=4096)
 
 
 def read_log(s: Section) -> LogConfig:
-    cfg = LogConfig(format=s.enum("format", LOG_FORMATS, "text"))
+    cfg = LogConfig(**read_fields(LogConfig, s))
     s.finish()
     return cfg
 
 
 def read_cors(s: Section) -> CorsConfig:
-    origins = s.str_list("allow_origins", [])
-    max_age = s.int("max_age", 600, min=0, max=86400)
+    v = read_fields(CorsConfig, s)
     s.finish()
     good = []
-    for i, origin in enumerate(origins):
+    for i, origin in enumerate(v["allow_origins"]):
         if origin == "*" or re.fullmatch(r"https?://[A-Za-z0-9.\-\[\]:]+", origin):
             good.append(origin)
         else:
             s.problems.add(f"{s.where('allow_origins')}[{i}]", f"{origin!r} is not an origin; write scheme://host[:port] with no path, or '*'")
-    return CorsConfig(allow_origins=tuple(good), max_age=max_age)
+    return CorsConfig(allow_origins=tuple(good), max_age=v["max_age"])
 
 
 def read_hash(s: Section, key: str) -> str | None:
@@ -90,25 +100,16 @@ def read_hash(s: Section, key: str) -> str | None:
 
 
 def read_admin(s: Section, present: bool) -> AdminConfig:
-    d = AdminConfig()
-    host = s.str("host", d.host)
-    port = s.int("port", d.port, min=0, max=65535)
+    v = read_fields(AdminConfig, s)
     key_hash = read_hash(s, "key_hash")
     s.finish()
     if present and key_hash is None and not s.problems:
         s.error("key_hash", "required: the admin listener needs its own key (`gateway admin-key` makes one)")
-    return AdminConfig(enabled=present and key_hash is not None, host=host, port=port, key_hash=key_hash)
+    return AdminConfig(enabled=present and key_hash is not None, key_hash=key_hash, **v)
 
 
 def read_tracing(s: Section) -> TracingConfig:
-    d = TracingConfig()
-    cfg = TracingConfig(
-        enabled=s.bool("enabled", d.enabled),
-        service_name=s.str("service_name", d.service_name),
-        otlp_endpoint=s.str("otlp_endpoint", None),
-        sample_ratio=s.number("sample_ratio", d.sample_ratio, min=0, max=1),
-        trust_client_traceparent=s.bool("trust_client_traceparent", d.trust_client_traceparent),
-    )
+    cfg = TracingConfig(**read_fields(TracingConfig, s))
     s.finish()
     if cfg.otlp_endpoint is not None and not re.match(r"^https?://", cfg.otlp_endpoint):
         s.error("otlp_endpoint", f"{cfg.otlp_endpoint!r} must be an http:// or https:// URL")
@@ -123,18 +124,13 @@ def read_discovery(root: Section) -> tuple[DiscoverConfig, ...]:
             continue
         s = entry.section("discover")
         entry.finish()
-        dns = s.str("dns")
-        port = s.int("port", min=1, max=65535)
-        interval = s.number("interval", 10.0, min=0.1)
-        scheme = s.enum("scheme", ("http", "https"), "http")
-        api_key = s.str("api_key", None)
-        models = s.str_list("models", None)
-        max_backends = s.int("max_backends", 256, min=1, max=4096)
+        v = read_fields(DiscoverConfig, s)
+        dns, port, models = v["dns"], v["port"], v["models"]
         s.finish()
         if dns is not None and not _DNS_NAME.match(dns):
             s.error("dns", f"{dns!r} is not a DNS name")
             continue
         if dns is None or port is None:
             continue
-        out.append(DiscoverConfig(dns=dns.rstrip("."), port=port, interval=interval, scheme=scheme, api_key=api_key, models=tuple(models) if models else None, max_backends=max_backends))
+        out.append(DiscoverConfig(**{**v, "dns": dns.rstrip("."), "models": models or None}))
     return tuple(out)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import secrets
 import time
 
 from ..config import ApiKeyConfig, AuthConfig
@@ -43,22 +42,7 @@ _AMBIGUOUS = Refusal(
     headers=((b"www-authenticate", b"Bearer"),),
 )
 
-KEY_PREFIX = "sk-"
 _MAX_KEY_LEN = 256
-
-
-def hash_key(key: str) -> str:
-    return "sha256:" + hashlib.sha256(key.encode("utf-8")).hexdigest()
-
-
-def key_id(digest: str) -> str:
-    """A short, stable, non-secret name for logs: 8 hex digits of the stored digest."""
-    return digest.removeprefix("sha256:")[:8]
-
-
-def new_key() -> str:
-    return KEY_PREFIX + secrets.token_urlsafe(32)
-
 
 _EXPIRED = Refusal(401, "This API key has expired.", "expired_api_key", code="invalid_api_key", headers=((b"www-authenticate", b"Bearer"),))
 

@@ -8,9 +8,9 @@
     fetch.py       the opt-in inline fetch (pinned address, bounded, sniffed)
     reasons.py     every denial's reason; MediaRefused
 
-This package imports nothing from the rest of the gateway at run time: ``config`` stores its
+This package imports nothing from the rest of the gateway: ``config`` stores its
 parsed forms (``DomainSet`` for the gateway list and per API key) and ``filters/media.py`` turns
-its decisions into HTTP refusals.
+its decisions into HTTP refusals; the walk reads the ``media:`` section through ``walk.Policy``.
 """
 
 from .addresses import is_global_address

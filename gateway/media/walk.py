@@ -23,7 +23,7 @@ from __future__ import annotations
 import binascii
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from .parts import (
     ANTHROPIC_BLOCK_KEYS,
@@ -47,10 +47,32 @@ from .reasons import MediaRefused
 from .signatures import FRAME_SEQUENCE_MIMES, SIGNATURES
 from .url import DomainSet, MediaUrl, parse_media_url
 
-if TYPE_CHECKING:
-    from ..config.media import MediaConfig
+__all__ = ["Grammar", "Policy", "Rules", "Slot", "Walk", "text_only"]
 
-__all__ = ["Grammar", "Rules", "Slot", "Walk", "text_only"]
+
+class Policy(Protocol):
+    """What the walk reads of the ``media:`` section (``config.media.MediaConfig`` is one)."""
+
+    @property
+    def part_types(self) -> tuple[str, ...]: ...
+    @property
+    def unknown_part_keys(self) -> str: ...  # "refuse" or "drop"
+    @property
+    def max_items(self) -> int: ...
+    @property
+    def max_item_bytes(self) -> int: ...
+    @property
+    def max_request_bytes(self) -> int: ...
+    @property
+    def max_url_length(self) -> int: ...
+    @property
+    def check_magic(self) -> bool: ...
+    @property
+    def fetch(self) -> str: ...  # "backend" or "inline"
+
+    def mimes(self, kind: str) -> tuple[str, ...]: ...
+
+    def params(self, kind: str) -> tuple[str, ...]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,9 +87,9 @@ class Grammar:
 
 
 class Rules:
-    """The walk's parsed, per-gateway form of ``MediaConfig``; built once at start-up."""
+    """The walk's parsed, per-gateway form of the media policy; built once at start-up."""
 
-    def __init__(self, cfg: "MediaConfig"):
+    def __init__(self, cfg: Policy):
         allowed = frozenset(cfg.part_types)
         self.allowed = allowed
         self.max_items = cfg.max_items

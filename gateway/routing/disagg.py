@@ -19,8 +19,8 @@ Admission goes through the gateway queue (``queue.Admission``, as for hybrid mod
 classes, fair shares among keys, max wait and shedding): the queue binds a request to a prefill
 instance once one has room (``PDPicker.room``), and the decode instance is picked when the prefill
 is done. Retries are picked at once, as the router's are. Classes below interactive, while
-interactive requests come, leave ``reserve`` of the prefill slots free and are kept off the prefill
-and the decode instances that took more than ``pd_keep_share`` times an even share of the recent
+interactive requests come, leave ``queue.RESERVE`` of the prefill slots free and are kept off the prefill
+and the decode instances that took more than ``PD_KEEP_SHARE`` times an even share of the recent
 interactive requests (``Admission.kept``: the queue leaves out such prefill instances, this module
 such decode instances, in ``room`` and when it picks the decode).
 
@@ -32,7 +32,6 @@ router's rule: only before the client saw a byte, and a failed attempt's prefill
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import math
 import time
@@ -68,6 +67,12 @@ MAX_PREFILL_BYTES = 16 * 1024 * 1024  # the prefill answer: one token plus the b
 MAX_BLOCK_IDS = 1 << 20
 SUCCESS = 1  # DistServeConnectionStatus.SUCCESS as lmdeploy dumps it
 SERVED_KINDS = ("chat", "completions")  # what lmdeploy's proxy serves in DistServe mode
+
+# The disaggregated models' queue's keep_share (queue.KEEP_SHARE is the hybrid models'); was
+# balancer.queue.pd_keep_share until issue 33. Lower than 1.5, as PD instances are alike and the prefill
+# picker sends interactive requests to the one without batch work: bench/routing PD --mixed socket runs,
+# 2026-12-03 (e6a4540), seed 7 ui 40 %: interactive TTFT p99 beside the flood +52 % off, +53 % at 1.5, +32 % at 1.1, +24 % at 1.0.
+PD_KEEP_SHARE = 1.0
 
 NO_INSTANCE = Refusal(503, "No healthy prefill or decode instance is available for this model; try again shortly.", "no_pd_instance", code="service_unavailable")
 PREFILL_INVALID = Refusal(502, "The prefill instance sent an answer that could not be used.", "prefill_invalid", code="bad_gateway")
@@ -317,8 +322,7 @@ class PDDispatcher:
             return [b for b in self.pool.eligible(model) if b.role == "prefill"]
 
         # Its own Admission (the hybrid models' is the router's): the PD share of interactive binds keeps instances.
-        config = dataclasses.replace(config, keep_share=config.pd_keep_share)
-        self.queue = GatewayQueue(Admission(config, self.picker, prefills, clock, room=self._room))
+        self.queue = GatewayQueue(Admission(config, self.picker, prefills, clock, room=self._room, keep_share=PD_KEEP_SHARE))
         return self.queue
 
     def _room(self, prefills: Any, req: PDRequest, priority: int) -> list[Backend]:
@@ -327,9 +331,9 @@ class PDDispatcher:
         adm = self.queue.admission  # type: ignore[union-attr]
         decodes = self._decodes(req, [b for b in self.pool.eligible(req.model) if b.role == "decode"], priority)
         if adm.reserving(req.model, priority):  # leave slots and an empty prefill queue to interactive requests
-            fit, wait = self.picker.room_or_wait(prefills, decodes, req, min(adm.config.hold_wait, LOW_PREFILL_AHEAD), adm.config.reserve)
+            fit, wait = self.picker.room_or_wait(prefills, decodes, req, min(adm.hold_wait, LOW_PREFILL_AHEAD), adm.reserve)
         else:
-            fit, wait = self.picker.room_or_wait(prefills, decodes, req, adm.config.hold_wait)
+            fit, wait = self.picker.room_or_wait(prefills, decodes, req, adm.hold_wait)
         if not fit and wait < math.inf:
             self._recheck(req.model, wait)
         return fit

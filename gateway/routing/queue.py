@@ -1,13 +1,13 @@
 """The gateway queue: late binding, priority classes, fair shares and load shedding, per model.
 
 A request is bound to a backend the moment one can start it soon. When every eligible backend
-would make it wait longer than ``hold_wait`` for a batch slot or KV room (the policy's
+would make it wait longer than ``HOLD_WAIT`` for a batch slot or KV room (the policy's
 prediction), it waits here instead of in a backend's queue, and is bound when a backend frees
 capacity: a response finishing, a /metrics poll, a backend coming back. Whoever frees capacity
 calls ``wake(model)``.
 
 Order: the highest priority class first; within a class, keys take turns by deficit round robin
-(each round a key may send ``quantum`` tokens' worth of requests), so one key's burst cannot
+(each round a key may send ``QUANTUM`` tokens' worth of requests), so one key's burst cannot
 starve the others; a key's own requests keep their order.
 
 Shedding: each class has a maximum wait. A request that is predicted not to start in time is
@@ -67,12 +67,27 @@ WAIT_RATIO_MIN = 0.5
 WAIT_RATIO_MAX = 4.0
 # Seconds of prefill a request below the interactive class may find queued on a backend it is bound to.
 LOW_PREFILL_AHEAD = 0.05
-# How long after the last interactive request lower classes keep leaving ``reserve`` free.
+# How long after the last interactive request lower classes keep leaving ``RESERVE`` free.
 RESERVE_FOR = 30.0
-# The interactive binds per model whose backends give each backend's share (``keep_share``), and
+# The interactive binds per model whose backends give each backend's share (``KEEP_SHARE``), and
 # how many must be seen before a share counts.
 SHARE_WINDOW = 64
 SHARE_MIN = 16
+# Were balancer.queue settings until issue 33; each keeps the default the bench chose. ``Admission``
+# copies them at construction (``hold_wait``, ``reserve``, ... on the instance: a test may set them).
+# 79e3ffd, 2026-12-02 (bench/routing "Tail latency: ... the gateway queue", never swept): with 0.5 s the queue held
+# nothing at 80 % load and below on sockets, and held a batch flood back for interactive TTFT p99 +2 % beside it.
+HOLD_WAIT = 0.5  # seconds: when every backend would make a request wait longer than this for a slot or KV room, it waits here
+# 79e3ffd, 2026-12-02; never swept by a bench: about 4 requests of the routing bench's mean size (217 + 40 tokens) per turn.
+QUANTUM = 1024  # tokens a key may send per round within its class (deficit round robin)
+# a4fc338, 2026-12-02; mixed replay 2026-12-03: 0.85 gave +3 % / +9 % interactive TTFT p99 at 30 / 120 s but 40 % fewer batch completions.
+RESERVE = 0.75  # share of a backend's batch slots that classes below interactive leave free while interactive requests come
+# Mixed replay with learnt slots, 2026-12-03 (6817f16): 0.75 let the flood hold twice what the slots' reserve allows
+# (+25/+21/+20/+6 % interactive TTFT p99), 0.85 +1/+4/+3/-1 %, 0.9 cost 40 % of the batch completions.
+KV_RESERVE = 0.85  # the same for a backend's KV cache while its slots are unknown (a held-back flood never fills a batch)
+# Mixed replay, 2026-12-03 (8ef7cf1): learnt slots, 120 s, interactive TTFT p99 beside the flood +103 % -> +5 %;
+# 2 can never apply with 2 backends.
+KEEP_SHARE = 1.5  # lower classes keep off a backend that took more than this times an even share of the recent interactive binds; 0: off
 
 
 @dataclass(slots=True, eq=False)
@@ -254,9 +269,16 @@ class ModelQueue:
 class Admission:
     """The queue's decisions, without I/O: bind now, wait, or refuse."""
 
-    def __init__(self, config: QueueConfig, balancer: Balancer | Binder, eligible: Callable[[str], list[Backend]], clock: Callable[[], float], room: Room | None = None):
-        """balancer binds; without ``room`` it must be a ``Balancer`` that predicts."""
+    def __init__(self, config: QueueConfig, balancer: Balancer | Binder, eligible: Callable[[str], list[Backend]], clock: Callable[[], float], room: Room | None = None,
+                 keep_share: float = KEEP_SHARE):
+        """balancer binds; without ``room`` it must be a ``Balancer`` that predicts. ``keep_share``: the
+        disaggregated models' queue has its own (``disagg.PD_KEEP_SHARE``)."""
         self.config = config
+        self.hold_wait = HOLD_WAIT
+        self.quantum = QUANTUM
+        self.reserve = RESERVE
+        self.kv_reserve = KV_RESERVE
+        self.keep_share = keep_share
         self.balancer = balancer
         self.eligible = eligible
         self.clock = clock
@@ -268,13 +290,13 @@ class Admission:
 
     # -- capacity --------------------------------------------------------------------------------
     def predicted_room(self, candidates: Sequence[Backend], req: RequestInfo, priority: int) -> Sequence[Backend]:
-        """The backends that can start req within ``hold_wait``, by the policy's predictions. Below
+        """The backends that can start req within ``HOLD_WAIT``, by the policy's predictions. Below
         the interactive class, while interactive requests come, a request must also leave
-        ``reserve`` of a backend's batch slots (or ``kv_reserve`` of its KV cache) free and find no prefill queued: interactive requests
+        ``RESERVE`` of a backend's batch slots (or ``KV_RESERVE`` of its KV cache) free and find no prefill queued: interactive requests
         then find a slot, short steps and an empty prefill queue."""
         if not candidates:
             return ()
-        hold = self.config.hold_wait
+        hold = self.hold_wait
         if self.reserving(req.model, priority):
             # While interactive requests come, it must not slow their steps nor queue its prefill
             # in front of theirs (the backends kept for them are left out already: ``fit``).
@@ -295,18 +317,18 @@ class Admission:
         return ()
 
     def _leaves_reserve(self, p: Prediction) -> bool:
-        """Binding leaves ``reserve`` of the backend's batch slots free or, while they are unknown,
-        ``kv_reserve`` of its KV cache (when its capacity is known). The slots are learnt only from a
-        full batch, and the queue holds a flood back (KV room, ``hold_wait``) before it fills one:
+        """Binding leaves ``RESERVE`` of the backend's batch slots free or, while they are unknown,
+        ``KV_RESERVE`` of its KV cache (when its capacity is known). The slots are learnt only from a
+        full batch, and the queue holds a flood back (KV room, ``HOLD_WAIT``) before it fills one:
         without this, a flood ran 25-29 sequences on backends with 32 slots beside the interactive
         requests, each slowing their steps and stalling them with its prefill (bench/routing/README.md,
         "Mixed priority with learnt slots")."""
         if p.slots is not None:
-            return p.free >= 1 + int(self.config.reserve * p.slots)
-        return p.kv_free is None or p.kv_free >= self.config.kv_reserve
+            return p.free >= 1 + int(self.reserve * p.slots)
+        return p.kv_free is None or p.kv_free >= self.kv_reserve
 
     def reserving(self, model: str, priority: int) -> bool:
-        """A request of this class must leave ``reserve`` free: it is below interactive and
+        """A request of this class must leave ``RESERVE`` free: it is below interactive and
         interactive requests for the model came lately."""
         return priority < DEFAULT_PRIORITY and self.clock() - self.top_seen.get(model, -1e18) < RESERVE_FOR
 
@@ -333,14 +355,14 @@ class Admission:
         binds.append(backend.id)
 
     def kept(self, model: str, candidates: Sequence[Backend]) -> set[str]:
-        """The backends kept for interactive requests: each took more than ``keep_share`` times an
+        """The backends kept for interactive requests: each took more than ``keep_share`` (``KEEP_SHARE``) times an
         even share (1/N of the candidates) of the model's recent interactive binds to the
         candidates (binds elsewhere, such as a disaggregated request's other phase, do not count). The policy sends
         most interactive requests to the backend that starts them soonest (on a mixed fleet, the
         fastest); there every batch sequence slows the steps of most interactive requests and every
         batch prefill stalls them, while on a backend they rarely use the same work delays few.
         Never every candidate: one that only shares the traffic evenly is not kept."""
-        k = self.config.keep_share
+        k = self.keep_share
         binds = self.top_binds.get(model)
         if not k or binds is None or len(binds) < SHARE_MIN or len(candidates) < 2:
             return set()
@@ -364,7 +386,7 @@ class Admission:
     def _queue(self, model: str) -> ModelQueue:
         q = self.models.get(model)
         if q is None:
-            q = self.models[model] = ModelQueue(self.config.quantum)
+            q = self.models[model] = ModelQueue(self.quantum)
         return q
 
     # -- arrivals --------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ import yaml
 from ..config import ApiKeyConfig, ConfigError, GatewayConfig, load_config
 from ..config.core import BUDGET_PERIODS
 from .base import UsageRow
-from .keys import key_from_record, key_to_record, read_file_records, valid_name, write_file_records
+from .keys import hash_key, key_from_record, key_to_record, new_key, read_file_records, valid_name, write_file_records
 
 EXIT_FAIL = 1
 EXIT_USAGE = 2
@@ -241,8 +241,6 @@ def describe(k: ApiKeyConfig, now: float | None = None) -> dict[str, Any]:
 
 # -- commands ----------------------------------------------------------------------------------------
 async def _create(args: argparse.Namespace) -> int:
-    from ..filters.auth import hash_key, new_key
-
     if not valid_name(args.name):
         raise CliError(f"--name {args.name[:40]!r} is not valid; use 1-64 letters, digits, '.', '_', '-' or '@'", EXIT_USAGE)
     secret = new_key()

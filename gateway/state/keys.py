@@ -1,4 +1,4 @@
-"""API key records: their stored form, the local cache auth reads, and keys files.
+"""API keys: how a key is made and hashed, its stored record, the local cache auth reads, keys files.
 
 A record is a plain mapping with the same fields as a key in the config (``name``, ``hash``,
 ``models``, ``rate_limit_rpm``, ...), so a keys file, a Redis entry and ``auth.keys`` all go
@@ -9,7 +9,9 @@ formatting, so no name or model can inject YAML.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
+import secrets
 import tempfile
 import time
 from pathlib import Path
@@ -19,9 +21,24 @@ import yaml
 
 from ..config.core import KEY_NAME, ApiKeyConfig, read_key_entry
 
+KEY_PREFIX = "sk-"
 FILE_HEADER = "# API key hashes (sha256). The keys themselves are shown once, at creation, and never stored.\n"
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(ApiKeyConfig) if f.default is not dataclasses.MISSING}
+
+
+def new_key() -> str:
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def hash_key(key: str) -> str:
+    """The stored form of a key (``sha256:<hex>``); the key itself is never stored."""
+    return "sha256:" + hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+def key_id(digest: str) -> str:
+    """A short, stable, non-secret name for logs: 8 hex digits of the stored digest."""
+    return digest.removeprefix("sha256:")[:8]
 
 
 def key_to_record(key: ApiKeyConfig) -> dict[str, Any]:

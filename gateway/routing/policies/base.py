@@ -69,7 +69,6 @@ class Prediction:
     free: float = float("inf")  # its batch slots not taken (by ours or others' sequences)
     prefill_ahead: float = 0.0  # seconds of other requests' prefill queued before this one's
     kv_free: float | None = None  # the share of its KV cache left free once this one is in, when the capacity is known
-    own: float = 0.0  # until its last token, as e2e, without the delay it adds to the others there (which e2e may weigh in)
 
 
 def request_info(model: str, body: dict[str, Any]) -> RequestInfo:

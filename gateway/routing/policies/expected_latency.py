@@ -16,6 +16,7 @@ from ..pool import Backend
 from ..prefix import PrefixMemory, key_tokens
 from ..signals import Signals, learn_slots
 from .base import Balancer, Outcome, PerBackend, Prediction, RequestInfo
+from .least_load import KV_PENALTY
 from .sizes import Sizes, SizesByModel
 
 
@@ -79,10 +80,10 @@ class ExpectedLatencyBalancer(Balancer):
                  + ω·( σ_b·γ·S + s_b(n_b)·d·q_b / slots_b          the delay r adds to the others:
                        + ρ·σ_b·U_b(r)·n_b ) )                     slower steps, a queue, r's prefill stall
                  / ramp_b
-               + kv_penalty · k_b / (1 - k_b)
+               + KV_PENALTY · k_b / (1 - k_b)
 
     - Q_b: uncached prompt tokens of b's requests still in prefill. P_b(r): r's prompt tokens
-      minus the prefix b served within ``affinity_ttl`` and still holds (what its prefix cache will
+      minus the prefix b served within ``AFFINITY_TTL`` and still holds (what its prefix cache will
       hit). The engine's prefix cache is an LRU in the KV memory its sequences leave free, so on a
       busy backend a prefix goes long before the TTL: the memory of b's prefixes (``PrefixMemory``)
       drops the oldest past that room (KV capacity, learnt from /metrics, less what b's sequences
@@ -101,12 +102,12 @@ class ExpectedLatencyBalancer(Balancer):
     - W_b: decode steps until r is admitted: the (n+1-slots)-th smallest rem_j when the batch is
       full, or until enough j finish to free KV for r (prompt + output of all ours + r's over the
       KV capacity). slots_b and the KV capacity are learnt from /metrics; unknown means no limit.
-    - ω = ``others_weight``: with 0, each request is selfish; with 1, the pick minimises the
+    - ω = ``OTHERS_WEIGHT``: with 0, each request is selfish; with 1, the pick minimises the
       total latency added to the backend (r's own plus the slowdown and queueing it causes) to
       the sequences there now. The default 1.5 also counts, roughly, those that join b while r
       runs (the batch refills as it drains), which S and n_b do not see; over 8 seeds of the
       replay it beats 1 on median, mean, TTFT and hit rate, for +2% at p99. With slots_b known,
-      ω_b = ω·(1 + ``others_load``·u/(1-u)), u = min(0.9, (n_b + 1)/slots_b): the sequences that join
+      ω_b = ω·(1 + ``OTHERS_LOAD``·u/(1-u)), u = min(0.9, (n_b + 1)/slots_b): the sequences that join
       while r runs are few on an idle backend and many on one whose slots are nearly all taken (u/(1-u),
       the mean queue of a server busy u of the time). It keeps the fastest backend from filling up
       with long requests, which slowed every step there (bench/routing/README.md, ``slots=32``, 8
@@ -119,7 +120,7 @@ class ExpectedLatencyBalancer(Balancer):
       decoding there (at most slots_b) waits for it. This is what a prefix-cache hit saves the others,
       and it weighs affinity by the batch it would stall (bench/routing/README.md: with ω = 1, over
       5 seeds of the replay, hit rate 57 % -> 60 % and mean TTFT -14 % on the heterogeneous fleet).
-    - ramp_b = max(0.1, time since b returned / ``slow_start``): a backend back from ejection or
+    - ramp_b = max(0.1, time since b returned / ``SLOW_START``): a backend back from ejection or
       unhealth looks slower than it is, so it fills up gradually instead of taking the queue;
       relative to the candidates' highest ramp, so backends that came up together (a gateway
       start) are taken as they are.
@@ -139,12 +140,13 @@ class ExpectedLatencyBalancer(Balancer):
     - per model: the prompt-token correction (usage / our estimate), the max_tokens fill ratio,
       the mean output without max_tokens.
 
-    With ``tail_limit`` T set, a backend where r's own latency (L_b without the ω terms) would exceed
-    both T and 1.3x the best backend's is left out before the objective and affinity choose.
+    The pick minimises L_b + ``TTFT_WEIGHT`` x b's predicted TTFT (the person waits for the first
+    token, then reads as it streams). Prefix affinity: the backend that served the longest prefix of
+    the prompt (at least ``AFFINITY_MIN_TOKENS``) wins if its score is within ``(1 + AFFINITY_BOUND)``
+    of the best; if not, load wins. Ties break at random.
 
-    Prefix affinity: the backend that served the longest prefix of the prompt (at least
-    ``affinity_min_tokens``) wins if its L is within ``(1 + affinity_bound)`` of the best; if not,
-    load wins. Ties on L break at random.
+    The weights are constants, not settings: each value is the one the routing bench chose
+    (bench/routing/README.md; the comment beside each says which run).
     """
 
     name = "min_expected_latency"
@@ -166,14 +168,29 @@ class ExpectedLatencyBalancer(Balancer):
     # set the slots; 3 x the lag still ignores a saturated gateway's lateness (bench/routing/README.md, ninth pass).
     LATE_STEPS = 2
     LAG_MARGIN = 3.0
-    MAX_LOAD = 0.9  # the slot load u at which others_load's u/(1-u) stops growing (9x)
+    MAX_LOAD = 0.9  # the slot load u at which OTHERS_LOAD's u/(1-u) stops growing (9x)
     # The prefix memory keeps what fits in this many times the KV its sequences leave free. Above 1 it leans
     # to affinity: a prefix near the end of the engine's LRU still draws its next request back to the backend
     # that most likely holds it (a hit, and the engine touches it again) instead of seeding a second copy
     # elsewhere. The replay (bench/routing/README.md, hit-rate pass): 1.5 beats 1 on every column on the
     # heterogeneous fleet over 8 seeds x 5 relays, 40- and 60-s traces; 2 and 3 keep too many evicted prefixes.
     PREFIX_ROOM = 1.5
-    TAIL_SLACK = 1.3  # with tail_limit: backends within this factor of the best own latency stay candidates
+    # Were balancer settings until issue 33; each keeps the default the bench chose.
+    # Hit-rate pass, 2026-12-03 (4d4bc9c): 1 (was 0.5) with PREFIX_ROOM 1.5 put the replay's prefix-cache hit rate ahead of SMG cache_aware.
+    AFFINITY_BOUND = 1.0  # a backend holding the prompt's prefix wins if its score is within +100 % of the best; 0: affinity off
+    # Ninth pass, 2026-12-03 (bench/routing/README.md): 128 or 32 were within 0.003 s and 0.03 points of hit rate of 64.
+    AFFINITY_MIN_TOKENS = 64  # a shared prefix shorter than this does not count
+    # Third pass, 2026-12-03: on a busy backend the prefix memory's KV-room LRU evicts long before this; it bounds an idle one's.
+    AFFINITY_TTL = 600.0  # seconds after which a served prefix is assumed evicted from the backend's cache
+    # Second pass (relative ramp, 2026-12-03): 30 s from the gateway core; only a backend that comes back later than the rest ramps.
+    SLOW_START = 30.0  # seconds over which a backend back from ejection or unhealth ramps up to full share; 0: off
+    KV_PENALTY = KV_PENALTY  # seconds x k/(1-k), k = KV-cache usage, only while b's slots are unknown (least_load.py says why 0.15)
+    # Third pass, 2026-12-03 (667851b): over 8 seeds of the replay 1.5 beat 1 on median, mean, TTFT and hit rate, for +2 % at p99.
+    OTHERS_WEIGHT = 1.5  # how much the delay r adds to the others on b counts against b (0: none)
+    # Fourth pass, 2026-12-03 (14e96ad): 0.2 / 0.3 / 0.5 / 1 gave median 2.113 / 2.104 / 2.117 / 2.097 s, a plateau: the smaller value.
+    OTHERS_LOAD = 0.15  # with b's slots known, OTHERS_WEIGHT x (1 + this x u/(1-u)), u = b's slots taken (at most MAX_LOAD)
+    # Tail-latency pass, 2026-12-02 (8f7a276): e2e + 8 x TTFT halved TTFT p99 at 80 % (0.96 against 1.78 s); the second pass's sweep of 2 / 4 / 8 closed no gap.
+    TTFT_WEIGHT = 8.0  # seconds of end-to-end latency one second of TTFT is worth
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -194,7 +211,7 @@ class ExpectedLatencyBalancer(Balancer):
 
     # -- state --------------------------------------------------------------------------------
     def _new_model(self) -> BackendModel:
-        m = BackendModel(self.clock(), PrefixMemory(ttl=self.config.affinity_ttl))
+        m = BackendModel(self.clock(), PrefixMemory(ttl=self.AFFINITY_TTL))
         m.slots = self.config.slots
         return m
 
@@ -272,7 +289,7 @@ class ExpectedLatencyBalancer(Balancer):
         return (m.sy + fleet) / (m.w + self.gamma * m.sn + 1.0)
 
     def _ramp(self, b: Backend, now: float) -> float:
-        w = self.config.slow_start
+        w = self.SLOW_START
         if w <= 0 or not b.returned_at:
             return 1.0
         return min(1.0, max(self.MIN_RAMP, (now - b.returned_at) / w))
@@ -281,7 +298,7 @@ class ExpectedLatencyBalancer(Balancer):
         # Slow start is relative: a backend ramps up against the others. When every candidate came
         # up together (a gateway start, the pool's first health checks), none is slower than the
         # rest, and dividing all predictions by the same small ramp would only make every backend
-        # look busy to the queue (hold_wait) and the TTFT bound.
+        # look busy to the queue (HOLD_WAIT) and the TTFT bound.
         self._top = max((self._ramp(c, now) for c in candidates), default=1.0)
 
     def _room(self, b: Backend, m: BackendModel, model: str) -> float | None:
@@ -315,7 +332,7 @@ class ExpectedLatencyBalancer(Balancer):
         rho = self.rho  # a property: once per estimate, not once per request in flight
         # rems: (output tokens left, KV held) of each of ours, needed only for _wait_steps: nothing to wait
         # for without known slots or KV capacity. One pass over those in flight, for every candidate of every pick.
-        below = req.priority if self.config.others_weight else None
+        below = req.priority if self.OTHERS_WEIGHT else None
         queued, rems, shared, low_shared, low_n = self._progress(m, now, step, sigma, rho, d, below, m.slots is not None or m.kv_capacity is not None)
         sizes = self._sizes(req.model)
         # Others' sequences on b: the other gateway replicas' (the load exchange, 50 ms old at most)
@@ -343,15 +360,14 @@ class ExpectedLatencyBalancer(Balancer):
         wait = self._wait_steps(m, rems, prompt + d, others_seq, b.remote_kv)
         wait_s = wait * step
         lat += wait_s
-        own = lat  # r's own latency, before what it costs the others (tail_limit compares this)
-        others = self.config.others_weight
-        if others and m.slots is not None and self.config.others_load:
+        others = self.OTHERS_WEIGHT
+        if others and m.slots is not None and self.OTHERS_LOAD:
             # A batch near its slots refills as soon as a sequence leaves: the longer r holds a slot
             # there, the more later arrivals wait for one or share its steps. u/(1-u) is the mean
             # queue of a server busy u of the time; capped, as W_b and the queue term below count
             # a full batch themselves.
             u = min(self.MAX_LOAD, (len(m.inflight) + ext + 1) / m.slots)
-            others *= 1.0 + self.config.others_load * u / (1.0 - u)
+            others *= 1.0 + self.OTHERS_LOAD * u / (1.0 - u)
         if others:
             o_shared, o_n = shared, n
             if low_n:
@@ -374,14 +390,12 @@ class ExpectedLatencyBalancer(Balancer):
         ramp = min(1.0, self._ramp(b, now) / self._top)
         lat /= ramp
         ttft /= ramp
-        own /= ramp
         sig = m.signals
-        if sig is not None and self.config.kv_penalty and sig.fresh(now) and m.slots is None:
+        if sig is not None and self.KV_PENALTY and sig.fresh(now) and m.slots is None:
             k = min(sig.kv_usage, 0.99)
-            pen = self.config.kv_penalty * k / (1.0 - k)
+            pen = self.KV_PENALTY * k / (1.0 - k)
             lat += pen
             ttft += pen
-            own += pen
         free = m.slots - len(m.inflight) - ext if m.slots is not None else float("inf")
         kv_free = None
         if m.kv_capacity:
@@ -390,7 +404,7 @@ class ExpectedLatencyBalancer(Balancer):
             held = m.kv + b.remote_kv + max(0.0, ext - known) * sizes.tokens_avg + prompt + d
             kv_free = 1.0 - held / m.kv_capacity
         return Prediction(ttft=ttft, e2e=lat, wait=wait_s / ramp, slots=m.slots, free=free, prefill_ahead=rho * sigma * queued / ramp,
-                          kv_free=kv_free, own=own), depth
+                          kv_free=kv_free), depth
 
     def predict(self, candidates: Sequence[Backend], req: RequestInfo) -> list[Prediction]:
         """What each candidate would do with r if it were sent now."""
@@ -504,35 +518,18 @@ class ExpectedLatencyBalancer(Balancer):
             now = self.clock()
             self._ramp_top(candidates, now)
             preds = [(*self._estimate(b, req, now, fleet), b) for b in candidates]
-        if self.config.tail_limit > 0:
-            # A long request that the objective (the others' cost, affinity) sends to a slow backend
-            # finishes there 2-3x later than on the fast one: such requests make the p99. Off by default:
-            # it costs about a point of hit rate (they leave the backend holding their document).
-            tail = max(self.config.tail_limit, self.TAIL_SLACK * min(p.own for p, _, _ in preds))
-            preds = [x for x in preds if x[0].own <= tail]
-        scored = []  # (the objective's score, prefix depth, backend)
-        objective = self.config.objective
-        if objective == "e2e_plus_ttft":
-            # The person waits for the first token, then reads as it streams: TTFT weighs extra.
-            w = self.config.ttft_weight
-            scored = [(p.e2e + w * p.ttft, depth, b) for p, depth, b in preds]
-        elif objective == "e2e_within_ttft":
-            # Only the backends that start r about as soon as the best one does; among them the
-            # one that finishes it first.
-            limit = min(p.ttft for p, _, _ in preds) + self.config.ttft_slack
-            scored = [(p.e2e, depth, b) for p, depth, b in preds if p.ttft <= limit]
-        elif objective == "ttft":
-            scored = [(p.ttft, depth, b) for p, depth, b in preds]
-        else:
-            scored = [(p.e2e, depth, b) for p, depth, b in preds]
+        # (score, prefix depth, backend). The person waits for the first token, then reads as it
+        # streams: TTFT weighs extra.
+        w = self.TTFT_WEIGHT
+        scored = [(p.e2e + w * p.ttft, depth, b) for p, depth, b in preds]
         best_lat = min(s[0] for s in scored)
         tol = 1e-9 * abs(best_lat)
         ties = [s for s in scored if s[0] <= best_lat + tol]
         choice = ties[0] if len(ties) == 1 else self.rng.choice(ties)
-        bound = self.config.affinity_bound
+        bound = self.AFFINITY_BOUND
         if bound > 0 and req.prefix_keys:
             aff = max(scored, key=lambda s: (s[1], -s[0]))
-            if aff[1] > choice[1] and key_tokens(aff[1]) >= self.config.affinity_min_tokens and aff[0] <= best_lat * (1.0 + bound):
+            if aff[1] > choice[1] and key_tokens(aff[1]) >= self.AFFINITY_MIN_TOKENS and aff[0] <= best_lat * (1.0 + bound):
                 if aff[2] is not choice[2]:
                     self.affinity_picks += 1
                     AFFINITY_PICKS.inc()

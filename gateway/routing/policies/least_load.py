@@ -21,6 +21,11 @@ from ..signals import Signals
 from .base import Balancer, Outcome, PerBackend, RequestInfo
 from .sizes import SizesByModel
 
+# SGLang least_load's coefficient, kept as ours (it was balancer.kv_penalty, issue 33); min_expected_latency
+# uses it too, only while a backend's slots are unknown (bench/routing third pass, 2026-12-03: with slots
+# known it counted the load twice). The second pass's sweep (0, 0.05) closed no gap to SMG's median.
+KV_PENALTY = 0.15  # seconds x k/(1-k), k = the backend's KV-cache usage
+
 
 @dataclass(slots=True)
 class LoadState:
@@ -45,7 +50,7 @@ class LeastLoad(Balancer):
         states = {b.id: self.state(b) for b in candidates}
         known = [s.rate for s in states.values() if s.rate > 0]
         fleet_rate = sum(known) / len(known) if known else 1000.0
-        coef = self.config.kv_penalty
+        coef = KV_PENALTY
 
         def score(b: Backend) -> float:
             st = states[b.id]
