@@ -6,7 +6,7 @@
   only on prefills that started on an idle instance: a prefill that queued behind others would teach
   its queueing as speed, which the outstanding work already counts (with one rate learnt from every
   prefill, a busy instance looked up to twice as slow per token as it is, held interactive requests in the
-  gateway and sent them behind batch prefills: bench/routing/README.md, "Mixed priority in PD mode"). Prefix
+  gateway and sent them behind batch prefills: bench/routing/README.md of 227c192, "Mixed priority in PD mode"). Prefix
   affinity: a prompt whose start this gateway sent lately prefers the instance it went to then (its
   prefix cache may hold it), as long as that costs at most ``affinity_slack`` seconds over the best
   choice, so the cache is reused without piling work on one instance. A start not seen lately has

@@ -7,7 +7,7 @@ Two requests that share a system prompt or a document share their leading keys, 
 The keys are a stable hash (blake2b, 8 bytes, over the UTF-8 text), the same in every process,
 so replicas share where a prefix was placed (``gateway/state/cluster.py``). Python's ``hash()`` is
 randomised per process and cannot be shared. The cost is one blake2b pass over at most 8 KiB
-(microseconds; measured in bench/routing/README.md) and one digest per key.
+(microseconds; measured in bench/routing/README.md of 227c192) and one digest per key.
 """
 
 from __future__ import annotations

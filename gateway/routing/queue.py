@@ -321,7 +321,7 @@ class Admission:
         ``KV_RESERVE`` of its KV cache (when its capacity is known). The slots are learnt only from a
         full batch, and the queue holds a flood back (KV room, ``HOLD_WAIT``) before it fills one:
         without this, a flood ran 25-29 sequences on backends with 32 slots beside the interactive
-        requests, each slowing their steps and stalling them with its prefill (bench/routing/README.md,
+        requests, each slowing their steps and stalling them with its prefill (bench/routing/README.md of 227c192,
         "Mixed priority with learnt slots")."""
         if p.slots is not None:
             return p.free >= 1 + int(self.reserve * p.slots)

@@ -88,13 +88,13 @@ class ExpectedLatencyBalancer(Balancer):
       busy backend a prefix goes long before the TTL: the memory of b's prefixes (``PrefixMemory``)
       drops the oldest past that room (KV capacity, learnt from /metrics, less what b's sequences
       reserve), as the engine does. Without it the policy counted on documents that a full batch
-      of long requests had pushed out (bench/routing/README.md: prefix-cache hit 59.9 % -> 61.9 %
+      of long requests had pushed out (bench/routing/README.md of 227c192: prefix-cache hit 59.9 % -> 61.9 %
       on the heterogeneous fleet in the replay).
     - rem_j: j's expected output (max_tokens × the observed fill ratio, or the running mean) less
       what it decoded since its first byte. Work is counted in tokens, not requests.
     - j runs over this gateway's requests on b, the other gateway replicas' (their count and what
       they hold: KV, output left, prompt to prefill, from the load exchange every 50 ms; with them
-      each replica's model of b is the whole backend's, bench/routing/README.md "Replicas scenario"),
+      each replica's model of b is the whole backend's, bench/routing/README.md of 227c192 "Replicas scenario"),
       and ext_b more: running + waiting from b's /metrics less the most that we and the other
       replicas had on b between two polls (never negative). The gauges refresh every 10 s; until
       they change, the reservations are what counts. Others that nobody describes count at half the
@@ -110,15 +110,15 @@ class ExpectedLatencyBalancer(Balancer):
       ω_b = ω·(1 + ``OTHERS_LOAD``·u/(1-u)), u = min(0.9, (n_b + 1)/slots_b): the sequences that join
       while r runs are few on an idle backend and many on one whose slots are nearly all taken (u/(1-u),
       the mean queue of a server busy u of the time). It keeps the fastest backend from filling up
-      with long requests, which slowed every step there (bench/routing/README.md, ``slots=32``, 8
+      with long requests, which slowed every step there (bench/routing/README.md of 227c192, ``slots=32``, 8
       seeds of the replay, heterogeneous fleet: median 2.181 -> 2.125 s, p99 17.7 -> 17.3 s).
       Sequences of a class below r's (the gateway queue sets each request's ``priority``) are left
       out of the slowdown and prefill stall r causes: an interactive request is not kept off a
-      backend to spare a batch flood there (bench/routing/README.md, mixed priority).
+      backend to spare a batch flood there (bench/routing/README.md of 227c192, mixed priority).
       q_b = how many would queue behind a full batch, r included. U_b(r) = r's uncached prompt
       tokens on b: its prefill runs inside one step of the whole batch, so each of the n_b sequences
       decoding there (at most slots_b) waits for it. This is what a prefix-cache hit saves the others,
-      and it weighs affinity by the batch it would stall (bench/routing/README.md: with ω = 1, over
+      and it weighs affinity by the batch it would stall (bench/routing/README.md of 227c192: with ω = 1, over
       5 seeds of the replay, hit rate 57 % -> 60 % and mean TTFT -14 % on the heterogeneous fleet).
     - ramp_b = max(0.1, time since b returned / ``SLOW_START``): a backend back from ejection or
       unhealth looks slower than it is, so it fills up gradually instead of taking the queue;
@@ -146,7 +146,7 @@ class ExpectedLatencyBalancer(Balancer):
     of the best; if not, load wins. Ties break at random.
 
     The weights are constants, not settings: each value is the one the routing bench chose
-    (bench/routing/README.md; the comment beside each says which run).
+    (bench/routing/README.md of 227c192; the comment beside each says which run).
     """
 
     name = "min_expected_latency"
@@ -165,20 +165,20 @@ class ExpectedLatencyBalancer(Balancer):
     # times the gateway's own event-loop lag (a first byte crosses a couple of loop turns). Were 3 and 4: on sockets
     # the default row then learnt no slots, or 30 s late, and queued past the fast backend's batch (TTFT p50 0.205
     # against 0.176 in the replay; the replay with a constant 40-80 ms lag does the same). Two counts that agree still
-    # set the slots; 3 x the lag still ignores a saturated gateway's lateness (bench/routing/README.md, ninth pass).
+    # set the slots; 3 x the lag still ignores a saturated gateway's lateness (bench/routing/README.md of 227c192, ninth pass).
     LATE_STEPS = 2
     LAG_MARGIN = 3.0
     MAX_LOAD = 0.9  # the slot load u at which OTHERS_LOAD's u/(1-u) stops growing (9x)
     # The prefix memory keeps what fits in this many times the KV its sequences leave free. Above 1 it leans
     # to affinity: a prefix near the end of the engine's LRU still draws its next request back to the backend
     # that most likely holds it (a hit, and the engine touches it again) instead of seeding a second copy
-    # elsewhere. The replay (bench/routing/README.md, hit-rate pass): 1.5 beats 1 on every column on the
+    # elsewhere. The replay (bench/routing/README.md of 227c192, hit-rate pass): 1.5 beats 1 on every column on the
     # heterogeneous fleet over 8 seeds x 5 relays, 40- and 60-s traces; 2 and 3 keep too many evicted prefixes.
     PREFIX_ROOM = 1.5
     # Were balancer settings until issue 33; each keeps the default the bench chose.
     # Hit-rate pass, 2026-12-03 (4d4bc9c): 1 (was 0.5) with PREFIX_ROOM 1.5 put the replay's prefix-cache hit rate ahead of SMG cache_aware.
     AFFINITY_BOUND = 1.0  # a backend holding the prompt's prefix wins if its score is within +100 % of the best; 0: affinity off
-    # Ninth pass, 2026-12-03 (bench/routing/README.md): 128 or 32 were within 0.003 s and 0.03 points of hit rate of 64.
+    # Ninth pass, 2026-12-03 (bench/routing/README.md of 227c192): 128 or 32 were within 0.003 s and 0.03 points of hit rate of 64.
     AFFINITY_MIN_TOKENS = 64  # a shared prefix shorter than this does not count
     # Third pass, 2026-12-03: on a busy backend the prefix memory's KV-room LRU evicts long before this; it bounds an idle one's.
     AFFINITY_TTL = 600.0  # seconds after which a served prefix is assumed evicted from the backend's cache
@@ -629,7 +629,7 @@ class ExpectedLatencyBalancer(Balancer):
         # Not gated on b's own speed history: waiting for 3 completions (the replay's mixed runs learnt 5-11
         # of 32 slots 1-3 s in without it) left the slots unknown on sockets, the sims queued requests past
         # 32, γ was fitted from those waits (0.18-0.43 against 0.07-0.08) and TTFT p99 at 80 % went from
-        # 0.77-0.83 to 1.27-2.22 s (bench/routing/README.md, seventh pass).
+        # 0.77-0.83 to 1.27-2.22 s (bench/routing/README.md of 227c192, seventh pass).
         step = sigma * (1.0 + self.gamma * m.batch())
         self.lag.arm()
         late = self._late(m, req, ttft, sigma)
@@ -688,7 +688,7 @@ class ExpectedLatencyBalancer(Balancer):
 
     def learn_speeds(self, backend: Backend, observations: Sequence[tuple[float, float]]) -> None:
         # Another replica's completions on b, as if ours: with N replicas each one otherwise fits σ and
-        # γ from 1/N of the completions (bench/routing/README.md, replicas: TTFT p99 +11 % on 30-s
+        # γ from 1/N of the completions (bench/routing/README.md of 227c192, replicas: TTFT p99 +11 % on 30-s
         # traces with 4). Folded into the same decayed sums, so a replica that stops (or dies) weighs
         # less with every later completion, as an old one of ours does.
         self._memo = None
