@@ -21,7 +21,8 @@ UPSTREAM_ERRORS = Counter("gateway_upstream_errors_total", "Failures talking to 
 RETRIES = Counter("gateway_retries_total", "Requests retried on another backend before any byte reached the client", ["reason"], registry=REGISTRY)
 CLIENT_DISCONNECTS = Counter("gateway_client_disconnects_total", "Requests whose client went away; the upstream request was cancelled", registry=REGISTRY)
 QUEUE_WAITING = Gauge("gateway_queue_waiting", "Requests waiting in the gateway queue for a backend to free capacity", registry=REGISTRY)
-QUEUE_SHED = Counter("gateway_queue_shed_total", "Requests the gateway queue refused (503/429), by priority class and why", ["priority", "reason"], registry=REGISTRY)
+# reason: predicted (on arrival), queue_full, displaced (by a higher class), deadline (waited max_wait)
+QUEUE_SHED = Counter("gateway_queue_shed_total", "Requests the gateway queue refused (503/429), by priority class, why and model", ["priority", "reason", "model"], registry=REGISTRY)
 QUEUE_WAIT = Histogram(
     "gateway_queue_wait_seconds",
     "Seconds a request waited in the gateway queue before it was sent to a backend",

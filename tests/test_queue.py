@@ -208,6 +208,33 @@ def test_a_request_predicted_to_miss_its_deadline_is_refused_on_arrival():
     assert adm.waiting() == 1
 
 
+def test_a_refusal_says_when_to_retry_in_seconds_and_milliseconds_and_is_counted_by_model():
+    """Retry-After (whole seconds, at least 1) and retry-after-ms (which the openai SDK reads first)
+    carry the same prediction: the waiting requests over the rate responses end at (here 1 / 2 s)."""
+    from gateway.metrics import QUEUE_SHED
+
+    clock, gate = Clock(), Gate()
+    adm = admission(clock, gate, max_wait=((INTERACTIVE, 1.0),))
+    held = adm.admit(req(), "k0", INTERACTIVE)
+    for _ in range(20):  # 2 responses a second
+        clock.t += 0.5
+        adm.completed("m")
+    gate.open = True
+    adm.drain("m")
+    gate.open = False
+    clock.t += 0.5
+    before = QUEUE_SHED.labels(priority="interactive", reason="predicted", model="m")._value.get()
+    adm.admit(req(), "k1", INTERACTIVE)
+    late = adm.admit(req(), "k2", INTERACTIVE)
+    assert not isinstance(late, Waiter)
+    h = dict(late.headers)
+    ms = int(h[b"retry-after-ms"])
+    assert 300 <= ms <= 700  # one waiting at about 2 a second
+    assert h[b"retry-after"] == b"1"
+    assert QUEUE_SHED.labels(priority="interactive", reason="predicted", model="m")._value.get() == before + 1
+    assert held.refusal is None
+
+
 def test_responses_that_end_while_nothing_waits_do_not_make_the_rate():
     # A quiet spell: responses end as fast as requests come (2 a second), far below what the backends
     # serve. A burst past their slots then waits; it must not be refused on that rate (the old rule

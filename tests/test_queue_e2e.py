@@ -75,11 +75,13 @@ async def send(client: httpx.AsyncClient, key: str, payload: dict[str, Any]) -> 
 
 
 def shed_count(gw: GatewayServer, key: str, reason: str) -> float:
+    """Interactive refusals for ``reason``, over every model (the counter is labelled by model too)."""
     text = httpx.get(gw.url + "/metrics", headers={"authorization": f"Bearer {key}"}).text
-    for line in text.splitlines():
-        if line.startswith("gateway_queue_shed_total{") and f'reason="{reason}"' in line and 'priority="interactive"' in line:
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("gateway_queue_shed_total{") and f'reason="{reason}"' in line and 'priority="interactive"' in line
+    )
 
 
 def waiting(gw: GatewayServer) -> int:
@@ -99,6 +101,9 @@ async def test_requests_that_cannot_start_in_time_are_refused_with_503_and_retry
         for status, seconds, headers, data in results:
             assert status == 503
             assert headers["retry-after"].isdigit() and int(headers["retry-after"]) >= 1
+            # The same prediction in ms (the openai SDK reads it first): Retry-After is it rounded up.
+            ms = int(headers["retry-after-ms"])
+            assert 1 <= ms <= 60_000 and int(headers["retry-after"]) == max(1, -(-ms // 1000))
             err = httpx.Response(503, content=data).json()["error"]
             assert err["type"] == "server_error" and err["code"] == "service_unavailable" and "busy" in err["message"]
             assert seconds < 0.5 + 2.0  # at the deadline, not after the busy request

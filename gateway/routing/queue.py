@@ -412,13 +412,13 @@ class Admission:
             predicted = (ahead + 1) / rate
             expected = predicted * cls.wait_ratio
             if expected > SHED_MARGIN * limit:
-                return self._shed_refusal(q, cls, key, priority, expected, "predicted")
+                return self._shed_refusal(req.model, q, cls, key, priority, expected, "predicted")
         if len(q) >= self.config.max_queued:
             victim = self._lowest_below(q, priority)
             if victim is None:
-                return self._shed_refusal(q, cls, key, priority, limit, "queue_full")
+                return self._shed_refusal(req.model, q, cls, key, priority, limit, "queue_full")
             vcls = q.classes[victim.priority]
-            victim.refusal = self._shed_refusal(q, vcls, victim.key, victim.priority, limit, "displaced")
+            victim.refusal = self._shed_refusal(req.model, q, vcls, victim.key, victim.priority, limit, "displaced")
             vcls.remove(victim)
             self.displaced.append(victim)
         w = Waiter(req, key, priority, cost=self._cost(req), enqueued_at=now, deadline=now + limit, predicted=predicted)
@@ -438,12 +438,15 @@ class Admission:
                 return w
         return None
 
-    def _shed_refusal(self, q: ModelQueue, cls: ClassQueue, key: str, priority: int, wait: float, why: str) -> Refusal:
+    def _shed_refusal(self, model: str, q: ModelQueue, cls: ClassQueue, key: str, priority: int, wait: float, why: str) -> Refusal:
         q.note_busy(self.clock())  # refused on arrival at an empty queue: it stays quiet
         rate = q.rate(self.clock())
-        retry = max(1, min(60, math.ceil(len(q) / rate if rate > 0 else wait)))
-        metrics.QUEUE_SHED.labels(priority=priority_name(priority), reason=why).inc()
-        headers = ((b"retry-after", str(retry).encode()),)
+        # The predicted time until this queue has room: Retry-After in whole seconds, and
+        # retry-after-ms (which the openai SDK reads first) with the same prediction unrounded.
+        ms = max(1, math.ceil(min(60.0, len(q) / rate if rate > 0 else wait) * 1000))
+        retry = max(1, math.ceil(ms / 1000))
+        metrics.QUEUE_SHED.labels(priority=priority_name(priority), reason=why, model=model).inc()
+        headers = ((b"retry-after", str(retry).encode()), (b"retry-after-ms", str(ms).encode()))
         if cls.over_share(key):
             return Refusal(
                 429,
@@ -498,7 +501,7 @@ class Admission:
             return False
         limit = self.config.wait_limit(w.priority)
         self._learn_wait(cls, w, limit)  # at least that long: the ratio learns a lower bound
-        w.refusal = self._shed_refusal(q, cls, w.key, w.priority, limit, "deadline")
+        w.refusal = self._shed_refusal(w.req.model, q, cls, w.key, w.priority, limit, "deadline")
         cls.remove(w)
         q.note_busy(self.clock())
         return True
